@@ -1,0 +1,1 @@
+"""Checkpoints: HF safetensors loading, deterministic random init, orbax save/restore."""

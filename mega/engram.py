@@ -1,0 +1,41 @@
+"""Engram: gated injection of n-gram table rows into the hyper-connection streams (§3.10).
+
+The op looks the hashed rows up (fp8 tables are dequantised with their per-32 scales;
+float tables are used as stored), projects them with ``wkv`` into one key per stream plus
+a shared value, and adds ``g_k * v`` to each stream with the signed-sqrt sigmoid gate.
+Like the mHC step it first applies the previous sublayer's pending update, because the
+injection sits between that expand and the next site's mix.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mega.mhc import Update, hc_expand
+from mega.primitives import linear
+
+
+def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -> jnp.ndarray:
+    """``[T, cols * head_dim]`` float32 rows for ``hash_ids [T, cols]``."""
+    rows = table[hash_ids]
+    if rows.dtype == jnp.float8_e4m3fn:
+        block = rows.shape[-1] // scale.shape[-1]
+        s = scale[hash_ids].astype(jnp.float32)
+        rows = (rows.astype(jnp.float32).reshape(*rows.shape[:-1], -1, block) * s[..., None]).reshape(rows.shape)
+    return rows.astype(jnp.float32).reshape(hash_ids.shape[0], -1)
+
+
+def engram(residual: jnp.ndarray, update: Update | None, hash_ids: jnp.ndarray, p: dict, *,
+           eps: float) -> jnp.ndarray:
+    """Streams ``[T, hc, D]`` after the pending update and the Engram injection."""
+    residual = hc_expand(residual, update)
+    t, hc, d = residual.shape
+    rows = lookup_rows(p["table"], p["scale"], hash_ids)
+    kv = linear(rows, p["wkv"].astype(jnp.float32))
+    key, value = kv[:, :hc * d].reshape(t, hc, d), kv[:, hc * d:]
+    omega = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)
+    h = residual.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(h * h, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps)
+    dot = jnp.sum(h * omega * key, -1) * rstd * d ** -0.5
+    gate = jax.nn.sigmoid(jnp.where(jnp.signbit(dot), -1.0, 1.0) * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
+    return (h + gate[..., None] * value[:, None, :]).astype(residual.dtype)

@@ -1,0 +1,184 @@
+"""The V4.1 attention sublayer: projections, compressor, indexer and the sparse-attention call.
+
+Per layer (MODEL_SPEC §3.6-3.8):
+
+* ``q = wq_b(q_norm(wq_a x))``, ``kv = FP8(RoPE(kv_norm(wkv x)))``; the step's ``kv`` goes to
+  the window ring and serves the window keys of the step's own queries.
+* KV sources pool their tokens into compressed entries (ratio 2: per-channel softmax gate
+  over a token pair, with the pending tail carried in the state; ratio 1: one entry per
+  token), publish indexer keys from the pre-RoPE latent, and store ``NVFP4(RoPE(latent))``.
+* Index sources score every visible entry of their KV source, the candidate source
+  publishes its block mask, and the top-k choice (as pool rows) serves every layer up to
+  the next index source.
+* ``mega.attention`` reads window and selected compressed rows; the grouped ``wo_a`` and
+  ``wo_b`` project the result back.
+
+Everything published inside one forward lives in ``Published``; everything that outlives
+it lives in ``ModelState``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mega.attention import attention
+from mega.primitives import HIGHEST, apply_rope, linear, rms_norm
+from model import quant
+from model.batch import StepInfo
+from model.config import ModelConfig
+from model.rope import cos_sin, inv_freq
+from model.state import ModelState, entry_rows
+
+
+class Published(NamedTuple):
+    """Per-forward state shared between layers (never cached)."""
+
+    comp_idx: jnp.ndarray | None = None  # [T, K] pool rows selected by the last index source
+    candidates: jnp.ndarray | None = None  # [T, N] entry mask of the candidate source
+
+
+class SourceUpdate(NamedTuple):
+    comp_kv: jnp.ndarray
+    index_k: jnp.ndarray
+    tail_kv: jnp.ndarray
+    tail_gate: jnp.ndarray
+
+
+def _drop_rows(rows: jnp.ndarray, keep: jnp.ndarray, n_rows: int) -> jnp.ndarray:
+    return jnp.where(keep, rows, n_rows)  # out of range: dropped by scatter mode="drop"
+
+
+def compress(x: jnp.ndarray, p: dict, ratio: int, info: StepInfo, tail_kv: jnp.ndarray, tail_gate: jnp.ndarray,
+             eps: float) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """``(latent [T, D], completes [T], new tail_kv, new tail_gate)``.
+
+    Token ``t`` completes group ``pos // ratio`` when ``pos % ratio == ratio - 1``; its latent
+    pools the group's members from this step or from the pending tail.
+    """
+    k = linear(x.astype(jnp.float32), p["wkv"].astype(jnp.float32))
+    completes = info.valid & (info.pos % ratio == ratio - 1)
+    if ratio == 1:
+        return rms_norm(k.astype(x.dtype), p["norm"], eps), completes, tail_kv, tail_gate
+    g = linear(x.astype(jnp.float32), p["wgate"].astype(jnp.float32))
+    t = jnp.arange(x.shape[0])
+    members_k, members_g = [], []
+    for j in range(ratio):
+        q = info.pos - (ratio - 1) + j
+        from_step = q >= info.start
+        tail_slot = jnp.clip(q % ratio, 0, ratio - 2)
+        src = jnp.clip(t - (ratio - 1) + j, 0)
+        members_k.append(jnp.where(from_step[:, None], k[src], tail_kv[info.slot, tail_slot]))
+        members_g.append(jnp.where(from_step[:, None], g[src], tail_gate[info.slot, tail_slot]))
+    weights = jax.nn.softmax(jnp.stack(members_g), axis=0)
+    latent = rms_norm((weights * jnp.stack(members_k)).sum(0).astype(x.dtype), p["norm"], eps)
+    # Tokens of the request's unfinished last group become its new tail.
+    pending = info.valid & (info.pos >= info.end // ratio * ratio)
+    b = _drop_rows(info.slot, pending, tail_kv.shape[0])
+    slot_in_group = info.pos % ratio
+    tail_kv = tail_kv.at[b, slot_in_group].set(k, mode="drop")
+    tail_gate = tail_gate.at[b, slot_in_group].set(g, mode="drop")
+    return latent, completes, tail_kv, tail_gate
+
+
+def _compress_rope(cfg: ModelConfig, positions: jnp.ndarray):
+    return cos_sin(jnp.asarray(inv_freq(cfg, "compress")), positions)
+
+
+def index_keys(latent: jnp.ndarray, p: dict, positions: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    k = rms_norm(linear(latent, p["wk"]).astype(latent.dtype), p["k_norm"], cfg.rms_norm_eps)
+    cos, sin = _compress_rope(cfg, positions)
+    return quant.fp4_block32(apply_rope(k, cos, sin))
+
+
+def index_scores(r: jnp.ndarray, x: jnp.ndarray, p: dict, keys: jnp.ndarray, info: StepInfo,
+                 cfg: ModelConfig) -> jnp.ndarray:
+    """``[T, N]`` scores of each query against its request's ``keys [T, N, d]``."""
+    t = r.shape[0]
+    q = linear(r, p["wq_b"]).astype(r.dtype).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
+    cos, sin = info.rope["compress"]
+    q = quant.fp4_block32(apply_rope(q, cos[:, None], sin[:, None]))
+    s = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=HIGHEST)
+    s = jax.nn.relu(s) * cfg.index_head_dim ** -0.5
+    w = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
+    return jnp.einsum("th,thn->tn", w, s, precision=HIGHEST)
+
+
+def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """Entry mask of the top blocks per query, the newest visible block pinned (§3.8)."""
+    t, n = scores.shape
+    bs = cfg.candidate_block_size
+    n_blocks = -(-n // bs)
+    padded = jnp.pad(scores, ((0, 0), (0, n_blocks * bs - n)), constant_values=-jnp.inf)
+    block = padded.reshape(t, n_blocks, bs).max(-1)
+    newest = (visible - 1) // bs  # -1 when nothing is visible: pins nothing
+    block = jnp.where(jnp.arange(n_blocks)[None] == newest[:, None], jnp.inf, block)
+    vals, ids = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, n_blocks))
+    keep = jnp.zeros((t, n_blocks), bool).at[jnp.arange(t)[:, None], ids].set(vals > -jnp.inf)
+    return jnp.repeat(keep, bs, axis=1)[:, :n]
+
+
+def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, info: StepInfo,
+                       state: ModelState, published: Published
+                       ) -> tuple[jnp.ndarray, jnp.ndarray, SourceUpdate | None, Published]:
+    """Returns ``(output [T, D], new window ring, source update or None, published)``."""
+    t, h, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+    ratio = cfg.compress_ratios[layer]
+    cos, sin = info.rope["compress" if ratio else "main"]
+    r = rms_norm(linear(x, p["wq_a"]).astype(x.dtype), p["q_norm"], cfg.rms_norm_eps)
+    q = linear(r, p["wq_b"]).astype(x.dtype).reshape(t, h, hd)
+    kv = rms_norm(linear(x, p["wkv"]).astype(x.dtype), p["kv_norm"], cfg.rms_norm_eps)
+    kv = quant.fp8_block32(apply_rope(kv, cos, sin))
+
+    ring = state.window[layer]
+    n_slots, w = ring.shape[:2]
+    window_pool = jnp.concatenate([ring.reshape(n_slots * w, hd), kv.astype(ring.dtype)])
+    keep = info.valid & (info.pos >= info.end - w)
+    new_ring = ring.at[_drop_rows(info.slot, keep, n_slots), info.pos % w].set(kv.astype(ring.dtype), mode="drop")
+
+    update, comp_kv, comp_idx = None, None, None
+    if ratio:
+        src = cfg.kv_source_of(layer)
+        s = cfg.kv_source_layer_ids.index(src)
+        pool_kv, pool_k = state.comp_kv[s], state.index_k[s]
+        if layer == src:
+            latent, completes, tail_kv, tail_gate = compress(
+                x, p["compressor"], ratio, info, state.tail_kv[s], state.tail_gate[s], cfg.rms_norm_eps)
+            entry = info.pos // ratio
+            rows = _drop_rows(entry_rows(state, ratio, info.slot, entry), completes, pool_kv.shape[0])
+            entry_pos = entry * ratio
+            pool_k = pool_k.at[rows].set(index_keys(latent, p["indexer"], entry_pos, cfg).astype(pool_k.dtype),
+                                         mode="drop")
+            c_cos, c_sin = _compress_rope(cfg, entry_pos)
+            comp = quant.nvfp4_block16(apply_rope(latent, c_cos, c_sin))
+            pool_kv = pool_kv.at[rows].set(comp.astype(pool_kv.dtype), mode="drop")
+            update = SourceUpdate(pool_kv, pool_k, tail_kv, tail_gate)
+        if layer in cfg.index_source_layer_ids:
+            published = _index(x, r, p["indexer"], layer, ratio, pool_k, cfg, info, state, published)
+        comp_kv, comp_idx = pool_kv, published.comp_idx
+
+    o = attention(q, cos, sin, window_pool, info.window_idx, comp_kv, comp_idx, p["sink"], hd ** -0.5)
+    g = cfg.o_groups
+    wo_a = p["wo_a"].reshape(g, cfg.o_lora_rank, -1)
+    y = jnp.einsum("tgi,gri->tgr", o.reshape(t, g, -1), wo_a, precision=HIGHEST,
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+    return linear(y.reshape(t, -1), p["wo_b"]).astype(x.dtype), new_ring, update, published
+
+
+def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published) -> Published:
+    n = state.capacity // ratio
+    entries = jnp.arange(n, dtype=jnp.int32)
+    rows = entry_rows(state, ratio, info.slot, jnp.broadcast_to(entries, (x.shape[0], n)))
+    scores = index_scores(r, x, p, pool_k[rows], info, cfg)
+    visible = (info.pos + 1) // ratio
+    scores = jnp.where(entries[None] < visible[:, None], scores, -jnp.inf)
+    cand = published.candidates
+    if layer == cfg.candidate_source_layer_id:
+        cand = candidate_blocks(scores, visible, cfg)
+    elif cand is not None:
+        scores = jnp.where(cand, scores, -jnp.inf)
+    vals, ids = jax.lax.top_k(scores, min(cfg.index_topk, n))
+    comp_idx = jnp.where(vals > -jnp.inf, jnp.take_along_axis(rows, ids, axis=1), -1)
+    return Published(comp_idx, cand)

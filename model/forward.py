@@ -1,0 +1,114 @@
+"""The V4.1 forward over a ragged batch: ``forward(params, cfg, state, batch) -> (logits, state)``.
+
+One function serves one-shot prefill, chunked prefill, decode and mixed batches: the
+state carries everything that outlives a call (model/state.py) and the batch says which
+slot each new token belongs to (model/batch.py). The loop follows MODEL_SPEC §3.1: the
+Engram hashes are computed once, each layer runs [Engram] -> attention site -> FFN site,
+and every site collapses the streams with the *previous* site's ``pre`` (mega.mhc).
+Sublayer outputs are placed into the streams lazily, by the next mHC step or Engram.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mega.engram import engram
+from mega.mhc import Update, hc_expand, mhc_step
+from mega.moe import MoeSpec, moe
+from mega.primitives import linear
+from model.attention import Published, attention_sublayer
+from model.batch import Batch, StepInfo, step_info
+from model.config import ModelConfig
+from model.engram_hash import DEAD, EngramHashTables, engram_hash, lookback_ids
+from model.state import ModelState
+
+
+class Trace(NamedTuple):
+    """Per-layer intermediates for debugging and parity tests."""
+
+    streams: jnp.ndarray  # [L, T, hc, D] streams each layer returns
+    premix: jnp.ndarray  # [L, T, hc] the FFN-site pre each layer hands on
+    engram_rows: jnp.ndarray | None  # [T, n_engram_layers, cols] table row ids
+
+
+def moe_spec(cfg: ModelConfig) -> MoeSpec:
+    return MoeSpec(cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
+                   cfg.norm_topk_prob)
+
+
+def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,
+            trace: bool = False):
+    """Logits ``[T, V]`` (fp32) for every token of ``batch``, and the updated state.
+
+    ``engram_map`` [V] is the compressed-vocabulary map (model.engram_vocab), required
+    when the config has Engram layers. With ``trace`` a ``Trace`` is returned as well.
+    """
+    info = step_info(cfg, state, batch)
+    hash_rows, engram_hist = None, state.engram_hist
+    if cfg.engram_layer_ids:
+        if engram_map is None:
+            raise ValueError("this config has Engram layers: pass engram_map (model.engram_vocab.engram_map_for)")
+        hash_rows, engram_hist = _engram_rows(cfg, state, batch, info, engram_map)
+
+    x0 = params["embed"][batch.tokens]
+    residual = jnp.repeat(x0[:, None, :], cfg.hc_mult, axis=1)
+    pre = jnp.zeros((x0.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
+    update: Update | None = None
+    published = Published()
+    windows = list(state.window)
+    hc = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+    streams, premixes = [], []
+    for i, lp in enumerate(params["layers"]):
+        if i in cfg.engram_layer_ids:
+            residual = engram(residual, update, hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
+                              eps=cfg.rms_norm_eps)
+            update = None
+        residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], pre, lp["attn_norm"], **hc)
+        y, windows[i], src_update, published = attention_sublayer(x, lp["attn"], i, cfg, info, state, published)
+        if src_update is not None:  # later layers of the group read the updated pools
+            state = _with_source(state, cfg.kv_source_layer_ids.index(i), src_update)
+        residual, x, ffn_mix = mhc_step(residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
+                                        attn_mix.pre, lp["ffn_norm"], **hc)
+        update = Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb)
+        pre = ffn_mix.pre
+        if trace:
+            streams.append(hc_expand(residual, update))
+            premixes.append(pre)
+    residual, x, _ = mhc_step(residual, update, None, pre, params["norm"], **hc)
+    logits = linear(x, params["lm_head"])
+    new_state = state.replace(seq_lens=info.ends, window=tuple(windows), engram_hist=engram_hist)
+    if trace:
+        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows)
+    return logits, new_state
+
+
+def _with_source(state: ModelState, s: int, update) -> ModelState:
+    def put(pools, value):
+        return pools[:s] + (value,) + pools[s + 1:]
+
+    return state.replace(comp_kv=put(state.comp_kv, update.comp_kv), index_k=put(state.index_k, update.index_k),
+                         tail_kv=put(state.tail_kv, update.tail_kv), tail_gate=put(state.tail_gate, update.tail_gate))
+
+
+def _engram_rows(cfg: ModelConfig, state: ModelState, batch: Batch, info: StepInfo, engram_map: jnp.ndarray):
+    """Hash rows ``[T, n_engram_layers, cols]`` and the updated look-back history."""
+    n = cfg.engram_max_ngram_size
+    comp = jnp.where(info.valid, engram_map[batch.tokens], DEAD)
+    tables = EngramHashTables.from_config(cfg)
+    rows = engram_hash(lookback_ids(comp, state.engram_hist, batch.seq_ids, info.pos, state.seq_lens,
+                                    tables.pad_id, n), tables)
+    # New history: the last n-1 ids of each request, shifted by its new tokens, then overwritten.
+    hist = state.engram_hist
+    k = jnp.arange(n - 1)[None, :] + (info.ends - info.starts)[:, None]
+    shifted = jnp.where(k < n - 1, jnp.take_along_axis(hist, jnp.minimum(k, n - 2), axis=1), DEAD)
+    slot_in_hist = info.pos - (info.end - (n - 1))
+    b = jnp.where(info.valid & (slot_in_hist >= 0), info.slot, hist.shape[0])
+    return rows, shifted.at[b, slot_in_hist].set(comp, mode="drop")
+
+
+@partial(jax.jit, static_argnames=("cfg", "trace"), donate_argnames=("state",))
+def forward_jit(params, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map=None, trace: bool = False):
+    return forward(params, cfg, state, batch, engram_map, trace)

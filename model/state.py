@@ -1,0 +1,86 @@
+"""Explicit cache state of the V4.1 forward, laid out per layer kind (MODEL_SPEC §4).
+
+The state holds ``B`` request slots. Per layer kind:
+
+* every backbone layer: a window ring ``[B, W, head_dim]``; the key at position ``p``
+  lives in slot ``p % W``;
+* every KV source: a pool of compressed-KV rows and one of indexer-key rows, addressed
+  through the page table (prefix-cacheable, so paged), and for ratio > 1 the pending
+  group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens;
+* per request: the number of tokens processed and the Engram look-back (the last
+  ``max_ngram - 1`` compressed ids, ``DEAD`` where there is none).
+
+Pages are counted in tokens: page ``j`` of a request covers its tokens
+``[j * page_size, (j + 1) * page_size)``, i.e. ``page_size // ratio`` entries of a
+ratio-``r`` source, so an even page size never splits a ratio-2 group. ``init_state``
+gives each slot its own contiguous pages; the engine will hand pages out itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.engram_hash import DEAD
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["seq_lens", "window", "comp_kv", "index_k", "tail_kv", "tail_gate", "page_table",
+                      "engram_hist"],
+         meta_fields=["page_size"])
+@dataclass(frozen=True)
+class ModelState:
+    seq_lens: jnp.ndarray  # int32 [B]
+    window: tuple  # per backbone layer: [B, W, head_dim]
+    comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
+    index_k: tuple  # per KV source: [pages * page_size // ratio, index_head_dim]
+    tail_kv: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
+    tail_gate: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
+    page_table: jnp.ndarray  # int32 [B, pages per request]
+    engram_hist: jnp.ndarray  # int32 [B, max_ngram - 1]
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one slot can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+    def replace(self, **kw) -> "ModelState":
+        return dataclasses.replace(self, **kw)
+
+
+def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
+               dtype=jnp.float32) -> ModelState:
+    ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
+    if page_size <= 0 or any(page_size % r for r in ratios):
+        raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio {ratios}")
+    pages = -(-max_len // page_size)
+    n_pages = batch_size * pages
+    w, hd = cfg.sliding_window, cfg.head_dim
+    return ModelState(
+        seq_lens=jnp.zeros((batch_size,), jnp.int32),
+        window=tuple(jnp.zeros((batch_size, w, hd), dtype) for _ in range(cfg.num_hidden_layers)),
+        comp_kv=tuple(jnp.zeros((n_pages * page_size // r, hd), dtype) for r in ratios),
+        index_k=tuple(jnp.zeros((n_pages * page_size // r, cfg.index_head_dim), dtype) for r in ratios),
+        tail_kv=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),
+        tail_gate=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),
+        page_table=jnp.arange(n_pages, dtype=jnp.int32).reshape(batch_size, pages),
+        engram_hist=jnp.full((batch_size, max(cfg.engram_max_ngram_size - 1, 0)), DEAD, jnp.int32),
+        page_size=page_size,
+    )
+
+
+def entry_rows(state: ModelState, ratio: int, slot: jnp.ndarray, entry: jnp.ndarray) -> jnp.ndarray:
+    """Pool rows of compressed entries ``entry`` ([T] or [T, N]) of requests ``slot`` [T]."""
+    per_page = state.page_size // ratio
+    page_idx = jnp.minimum(entry // per_page, state.page_table.shape[1] - 1).reshape(slot.shape[0], -1)
+    page = jnp.take_along_axis(state.page_table[slot], page_idx, axis=1).reshape(entry.shape)
+    return page * per_page + entry % per_page
