@@ -38,6 +38,8 @@ class Published(NamedTuple):
 
     comp_idx: jnp.ndarray | None = None  # [T, K] pool rows selected by the last index source
     candidates: jnp.ndarray | None = None  # [T, N] entry mask of the candidate source
+    entries: jnp.ndarray | None = None  # [T, K] the selected entry numbers (-1: none), for traces
+    scores: jnp.ndarray | None = None  # [T, N] the index scores the selection ran on, for traces
 
 
 class SourceUpdate(NamedTuple):
@@ -121,9 +123,12 @@ def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
 
 
 def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, info: StepInfo,
-                       state: ModelState, published: Published
+                       state: ModelState, published: Published, forced: jnp.ndarray | None = None
                        ) -> tuple[jnp.ndarray, jnp.ndarray, SourceUpdate | None, Published]:
-    """Returns ``(output [T, D], new window ring, source update or None, published)``."""
+    """Returns ``(output [T, D], new window ring, source update or None, published)``.
+
+    ``forced`` ([T, N] bool, index sources only) replaces the top-k choice by a given entry set.
+    """
     t, h, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     ratio = cfg.compress_ratios[layer]
     cos, sin = info.rope["compress" if ratio else "main"]
@@ -156,7 +161,7 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
             pool_kv = pool_kv.at[rows].set(comp.astype(pool_kv.dtype), mode="drop")
             update = SourceUpdate(pool_kv, pool_k, tail_kv, tail_gate)
         if layer in cfg.index_source_layer_ids:
-            published = _index(x, r, p["indexer"], layer, ratio, pool_k, cfg, info, state, published)
+            published = _index(x, r, p["indexer"], layer, ratio, pool_k, cfg, info, state, published, forced)
         comp_kv, comp_idx = pool_kv, published.comp_idx
 
     o = attention(q, cos, sin, window_pool, info.window_idx, comp_kv, comp_idx, p["sink"], hd ** -0.5)
@@ -167,7 +172,7 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
     return linear(y.reshape(t, -1), p["wo_b"]).astype(x.dtype), new_ring, update, published
 
 
-def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published) -> Published:
+def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -> Published:
     n = state.capacity // ratio
     entries = jnp.arange(n, dtype=jnp.int32)
     rows = entry_rows(state, ratio, info.slot, jnp.broadcast_to(entries, (x.shape[0], n)))
@@ -179,6 +184,8 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published) -> Publis
         cand = candidate_blocks(scores, visible, cfg)
     elif cand is not None:
         scores = jnp.where(cand, scores, -jnp.inf)
-    vals, ids = jax.lax.top_k(scores, min(cfg.index_topk, n))
-    comp_idx = jnp.where(vals > -jnp.inf, jnp.take_along_axis(rows, ids, axis=1), -1)
-    return Published(comp_idx, cand)
+    chosen = scores if forced is None else jnp.where(forced[:, :n] & (scores > -jnp.inf), 0.0, -jnp.inf)
+    vals, ids = jax.lax.top_k(chosen, min(cfg.index_topk, n))
+    ok = vals > -jnp.inf
+    comp_idx = jnp.where(ok, jnp.take_along_axis(rows, ids, axis=1), -1)
+    return Published(comp_idx, cand, jnp.where(ok, ids, -1), scores)

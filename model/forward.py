@@ -9,7 +9,6 @@ Sublayer outputs are placed into the streams lazily, by the next mHC step or Eng
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -32,6 +31,7 @@ class Trace(NamedTuple):
     streams: jnp.ndarray  # [L, T, hc, D] streams each layer returns
     premix: jnp.ndarray  # [L, T, hc] the FFN-site pre each layer hands on
     engram_rows: jnp.ndarray | None  # [T, n_engram_layers, cols] table row ids
+    selections: dict  # index-source layer -> Published (entries, scores, candidates)
 
 
 def moe_spec(cfg: ModelConfig) -> MoeSpec:
@@ -40,11 +40,13 @@ def moe_spec(cfg: ModelConfig) -> MoeSpec:
 
 
 def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,
-            trace: bool = False):
+            trace: bool = False, forced_selection: dict | None = None):
     """Logits ``[T, V]`` (fp32) for every token of ``batch``, and the updated state.
 
     ``engram_map`` [V] is the compressed-vocabulary map (model.engram_vocab), required
     when the config has Engram layers. With ``trace`` a ``Trace`` is returned as well.
+    ``forced_selection`` maps index-source layers to ``[T, N]`` entry masks that replace
+    their top-k choice (to replay another implementation's tie-breaking).
     """
     info = step_info(cfg, state, batch)
     hash_rows, engram_hist = None, state.engram_hist
@@ -60,14 +62,18 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
     published = Published()
     windows = list(state.window)
     hc = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
-    streams, premixes = [], []
+    streams, premixes, selections = [], [], {}
+    forced_selection = forced_selection or {}
     for i, lp in enumerate(params["layers"]):
         if i in cfg.engram_layer_ids:
             residual = engram(residual, update, hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
                               eps=cfg.rms_norm_eps)
             update = None
         residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], pre, lp["attn_norm"], **hc)
-        y, windows[i], src_update, published = attention_sublayer(x, lp["attn"], i, cfg, info, state, published)
+        y, windows[i], src_update, published = attention_sublayer(x, lp["attn"], i, cfg, info, state, published,
+                                                                  forced_selection.get(i))
+        if i in cfg.index_source_layer_ids:
+            selections[i] = published
         if src_update is not None:  # later layers of the group read the updated pools
             state = _with_source(state, cfg.kv_source_layer_ids.index(i), src_update)
         residual, x, ffn_mix = mhc_step(residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
@@ -81,7 +87,7 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
     logits = linear(x, params["lm_head"])
     new_state = state.replace(seq_lens=info.ends, window=tuple(windows), engram_hist=engram_hist)
     if trace:
-        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows)
+        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows, selections)
     return logits, new_state
 
 
@@ -109,6 +115,4 @@ def _engram_rows(cfg: ModelConfig, state: ModelState, batch: Batch, info: StepIn
     return rows, shifted.at[b, slot_in_hist].set(comp, mode="drop")
 
 
-@partial(jax.jit, static_argnames=("cfg", "trace"), donate_argnames=("state",))
-def forward_jit(params, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map=None, trace: bool = False):
-    return forward(params, cfg, state, batch, engram_map, trace)
+forward_jit = jax.jit(forward, static_argnames=("cfg", "trace"), donate_argnames=("state",))
