@@ -178,13 +178,14 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -
     rows = entry_rows(state, ratio, info.slot, jnp.broadcast_to(entries, (x.shape[0], n)))
     scores = index_scores(r, x, p, pool_k[rows], info, cfg)
     visible = (info.pos + 1) // ratio
-    scores = jnp.where(entries[None] < visible[:, None], scores, -jnp.inf)
+    is_visible = entries[None] < visible[:, None]
+    scores = jnp.where(is_visible, scores, -jnp.inf)
     cand = published.candidates
     if layer == cfg.candidate_source_layer_id:
         cand = candidate_blocks(scores, visible, cfg)
     elif cand is not None:
         scores = jnp.where(cand, scores, -jnp.inf)
-    chosen = scores if forced is None else jnp.where(forced[:, :n] & (scores > -jnp.inf), 0.0, -jnp.inf)
+    chosen = scores if forced is None else jnp.where(forced[:, :n] & is_visible, 0.0, -jnp.inf)
     vals, ids = jax.lax.top_k(chosen, min(cfg.index_topk, n))
     ok = vals > -jnp.inf
     comp_idx = jnp.where(ok, jnp.take_along_axis(rows, ids, axis=1), -1)

@@ -1,0 +1,82 @@
+"""Shared fixtures: the golden models and a runner for their call patterns."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GOLDEN = ROOT.parent / "shared" / "golden"
+REPORT: dict[str, str] = {}
+
+
+class GoldenModel:
+    def __init__(self, name: str):
+        from checkpoints.hf import load_params
+        from model.config import ModelConfig
+        from model.engram_vocab import engram_map_for
+
+        self.dir = GOLDEN / name
+        self.cfg = ModelConfig.from_json(self.dir)
+        self.params = load_params(self.dir, self.cfg)
+        self.emap = jnp.asarray(engram_map_for(self.cfg.vocab_size, self.cfg.engram_compressed_vocab_size,
+                                               self.cfg.engram_pad_id))
+        self.cases = {c["name"]: c for c in json.loads((self.dir / "cases.json").read_text())["cases"]}
+
+    def load(self, file: str) -> np.ndarray:
+        return np.load(self.dir / file)
+
+    def paths(self, case: dict) -> dict[str, tuple[list[int], str]]:
+        """path name -> (call sizes, logits file)."""
+        n, p = case["length"], case["decode"]["prefill"]
+        out = {"full": ([n], case["full_logits"]), "decode": ([p] + [1] * (n - p), case["decode"]["logits"])}
+        if "chunked" in case:
+            out["chunked"] = (case["chunked"]["chunks"], case["chunked"]["logits"])
+        return out
+
+    def run(self, ids: list[int], calls: list[int], trace: bool = False, forced=None, max_len: int = 64):
+        """Logits of the calls concatenated, plus per-call traces when asked.
+
+        ``forced(start, n)`` gives the forced selection of the call covering rows
+        ``[start, start + n)``. Prefill calls are padded to ``max_len`` tokens so all of
+        them share one compilation.
+        """
+        from model.batch import pack_requests
+        from model.forward import forward_jit
+        from model.state import init_state
+
+        state = init_state(self.cfg, 1, max_len, page_size=16)
+        logits, traces, pos = [], [], 0
+        for n in calls:
+            batch = pack_requests([(0, ids[pos:pos + n], pos)], pad_to=max_len if n > 1 else 1)
+            kw = {} if forced is None else {"forced_selection": forced(pos, batch.tokens.shape[0])}
+            out = forward_jit(self.params, self.cfg, state, batch, self.emap, trace=trace, **kw)
+            logits.append(np.asarray(out[0])[:n])
+            state = out[1]
+            if trace:
+                traces.append((pos, n, out[2]))
+            pos += n
+        return np.concatenate(logits), traces
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return GoldenModel("v41_tiny")
+
+
+@pytest.fixture(scope="session")
+def binding():
+    return GoldenModel("v41_tiny_binding")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("golden parity (max / median |logit diff|)")
+        for key in sorted(REPORT):
+            terminalreporter.write_line(f"{key}: {REPORT[key]}")
