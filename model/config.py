@@ -346,11 +346,11 @@ def _coerce(name: str, value: Any, type_str: Any) -> Any:
         if t.startswith("int | tuple"):
             return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else int(value)
         if t.startswith("int"):
-            if isinstance(value, bool) or float(value) != int(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
                 raise TypeError
             return int(value)
         if t.startswith("float"):
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError
             return float(value)
         if t == "bool":
