@@ -25,7 +25,8 @@ def pow2_ceil(t: jnp.ndarray) -> jnp.ndarray:
     """``2**ceil(log2 t)`` for positive float32 ``t``, from the IEEE bits (the UE8M0 scale)."""
     bits = jax.lax.bitcast_convert_type(t.astype(jnp.float32), jnp.int32)
     k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    return jnp.exp2(k.astype(jnp.float32))
+    # Build 2**k from its exponent bits: exp2 is not exact on every backend.
+    return jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
 
 
 def e2m1_round(q: jnp.ndarray) -> jnp.ndarray:
