@@ -152,7 +152,8 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
             latent, completes, tail_kv, tail_gate = compress(
                 x, p["compressor"], ratio, info, state.tail_kv[s], state.tail_gate[s], cfg.rms_norm_eps)
             entry = info.pos // ratio
-            rows = _drop_rows(entry_rows(state, ratio, info.slot, entry), completes, pool_kv.shape[0])
+            fresh = completes & (info.pos >= info.cached)  # replayed tokens keep their cached entries
+            rows = _drop_rows(entry_rows(state, ratio, info.slot, entry), fresh, pool_kv.shape[0])
             entry_pos = entry * ratio
             pool_k = pool_k.at[rows].set(index_keys(latent, p["indexer"], entry_pos, cfg).astype(pool_k.dtype),
                                          mode="drop")

@@ -3,6 +3,12 @@
 Contract: the tokens of one request slot are contiguous and in order, and their
 positions continue that slot's ``seq_lens`` (``positions[t] = seq_lens[slot] + i``).
 Padding tokens carry ``seq_ids == -1``; they read clamped rows and write nothing.
+
+A ``StepInfo`` describes the rows a group of layers computes: all rows of the batch, or,
+under decoder replay (MODEL_SPEC §5), only each request's last ``keep`` rows. A query's
+window key at position ``q`` comes from this step's rows when ``q`` was computed in
+this row set, from the ring when ``q`` precedes the step (and is not below the ring's
+``window_floor``), and is missing otherwise.
 """
 from __future__ import annotations
 
@@ -23,34 +29,56 @@ class Batch(NamedTuple):
 
 
 class StepInfo(NamedTuple):
-    valid: jnp.ndarray  # bool [T]
-    slot: jnp.ndarray  # int32 [T], clamped to a real slot
-    pos: jnp.ndarray  # int32 [T]
-    start: jnp.ndarray  # int32 [T], first position of the token's request in this step
-    end: jnp.ndarray  # int32 [T], the request's length after this step
+    valid: jnp.ndarray  # bool [R]
+    slot: jnp.ndarray  # int32 [R], clamped to a real slot
+    pos: jnp.ndarray  # int32 [R]
+    start: jnp.ndarray  # int32 [R], first position of the row's request in this step
+    end: jnp.ndarray  # int32 [R], the request's length after this step
+    cached: jnp.ndarray  # int32 [R], tokens of the row's request whose compressed entries exist
     starts: jnp.ndarray  # int32 [B]
     ends: jnp.ndarray  # int32 [B]
-    window_idx: jnp.ndarray  # int32 [T, W] rows of [ring (B*W) ; step kv (T)], -1 if empty
-    rope: dict  # "main" / "compress": (cos, sin) [T, rope_dim // 2]
+    window_idx: jnp.ndarray  # int32 [R, W] rows of [ring (B*W) ; computed rows (R)], -1 if missing
+    rope: dict  # "main" / "compress": (cos, sin) [R, rope_dim // 2]
+
+
+def _info(cfg: ModelConfig, state: ModelState, valid, slot, pos, starts, ends, computed_from) -> StepInfo:
+    """Metadata of ``R`` computed rows; ``computed_from`` [R] is the first step position computed
+    in this row set for the row's request (rows of a request are contiguous and in order)."""
+    w, n_slots = cfg.sliding_window, state.batch_size
+    back = jnp.arange(w, dtype=jnp.int32)
+    src = pos[:, None] - back[None, :]
+    r = jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None]
+    start = starts[slot]
+    from_step = jnp.where(src >= computed_from[:, None], n_slots * w + r - back[None, :], -1)
+    from_ring = jnp.where(src >= state.window_floor[slot][:, None], slot[:, None] * w + src % w, -1)
+    idx = jnp.where(src >= start[:, None], from_step, from_ring)
+    window_idx = jnp.where((src >= 0) & valid[:, None], idx, -1)
+    rope = {kind: cos_sin(jnp.asarray(inv_freq(cfg, kind)), pos) for kind in ("main", "compress")}
+    return StepInfo(valid, slot, pos, start, ends[slot], state.cached_len[slot], starts, ends, window_idx, rope)
 
 
 def step_info(cfg: ModelConfig, state: ModelState, batch: Batch) -> StepInfo:
     valid = batch.seq_ids >= 0
     slot = jnp.maximum(batch.seq_ids, 0)
-    n_slots = state.batch_size
-    new_lens = jnp.zeros((n_slots,), jnp.int32).at[slot].add(valid.astype(jnp.int32))
+    new_lens = jnp.zeros((state.batch_size,), jnp.int32).at[slot].add(valid.astype(jnp.int32))
     starts = state.seq_lens
     ends = starts + new_lens
-    pos = batch.positions
-    w = cfg.sliding_window
-    back = jnp.arange(w, dtype=jnp.int32)
-    src = pos[:, None] - back[None, :]
-    t = jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None]
-    in_step = src >= starts[slot][:, None]
-    idx = jnp.where(in_step, n_slots * w + t - back[None, :], slot[:, None] * w + src % w)
-    window_idx = jnp.where((src >= 0) & valid[:, None], idx, -1)
-    rope = {kind: cos_sin(jnp.asarray(inv_freq(cfg, kind)), pos) for kind in ("main", "compress")}
-    return StepInfo(valid, slot, pos, starts[slot], ends[slot], starts, ends, window_idx, rope)
+    return _info(cfg, state, valid, slot, batch.positions, starts, ends, starts[slot])
+
+
+def replay_rows(cfg: ModelConfig, state: ModelState, full: StepInfo, keep: int, rows: int
+                ) -> tuple[StepInfo, jnp.ndarray]:
+    """The last ``keep`` rows of every request, packed into ``rows`` slots: ``(info, source row [rows])``.
+
+    Source rows are -1 for padding; ``rows`` must hold every kept row (the caller's bucket).
+    """
+    kept = full.valid & (full.pos >= full.end - keep)
+    order = jnp.argsort(~kept, stable=True)[:rows]  # kept rows first, in batch order
+    ok = kept[order]
+    src = jnp.where(ok, order, -1)
+    slot, pos = full.slot[order], full.pos[order]
+    computed_from = jnp.maximum(full.starts, full.ends - keep)[slot]
+    return _info(cfg, state, ok, slot, pos, full.starts, full.ends, computed_from), src
 
 
 def pack_requests(requests: list[tuple[int, list[int], int]], pad_to: int | None = None) -> Batch:

@@ -19,7 +19,7 @@ from mega.mhc import Update, hc_expand, mhc_step
 from mega.moe import MoeSpec, moe
 from mega.primitives import linear
 from model.attention import Published, attention_sublayer
-from model.batch import Batch, StepInfo, step_info
+from model.batch import Batch, StepInfo, replay_rows, step_info
 from model.config import ModelConfig
 from model.engram_hash import DEAD, EngramHashTables, engram_hash, lookback_ids
 from model.state import ModelState
@@ -40,15 +40,25 @@ def moe_spec(cfg: ModelConfig) -> MoeSpec:
 
 
 def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,
-            trace: bool = False, forced_selection: dict | None = None):
-    """Logits ``[T, V]`` (fp32) for every token of ``batch``, and the updated state.
+            trace: bool = False, forced_selection: dict | None = None, logit_rows: jnp.ndarray | None = None,
+            replay: tuple[int, int] | None = None):
+    """Logits (fp32) and the updated state.
 
-    ``engram_map`` [V] is the compressed-vocabulary map (model.engram_vocab), required
-    when the config has Engram layers. With ``trace`` a ``Trace`` is returned as well.
-    ``forced_selection`` maps index-source layers to ``[T, N]`` entry masks that replace
-    their top-k choice (to replay another implementation's tie-breaking).
+    * ``engram_map`` [V]: the compressed-vocabulary map (model.engram_vocab), required when
+      the config has Engram layers.
+    * ``logit_rows`` [S]: batch rows whose logits to return (default: every row).
+    * ``replay = (keep, rows)``: decoder replay (MODEL_SPEC §5). After the last KV source's
+      attention, only each request's last ``keep`` rows are computed, packed into ``rows``
+      slots (a static bucket). ``keep = sliding_window`` is the approximate mode SGLang and
+      vLLM ship; ``keep = halo_rows(cfg)`` is the exact one. ``logit_rows`` must be kept rows.
+    * ``trace``: also return a ``Trace``; ``forced_selection`` maps index-source layers to
+      ``[T, N]`` entry masks that replace their top-k choice (to replay another
+      implementation's tie-breaking).
     """
+    if replay is not None and (trace or logit_rows is None):
+        raise ValueError("decoder replay computes only the kept rows: pass logit_rows, and no trace")
     info = step_info(cfg, state, batch)
+    row_src = None
     hash_rows, engram_hist = None, state.engram_hist
     if cfg.engram_layer_ids:
         if engram_map is None:
@@ -76,6 +86,12 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
             selections[i] = published
         if src_update is not None:  # later layers of the group read the updated pools
             state = _with_source(state, cfg.kv_source_layer_ids.index(i), src_update)
+        if replay is not None and i == cfg.last_kv_source:  # from here on only the kept rows
+            info, row_src = replay_rows(cfg, state, info, *replay)
+            take = jnp.maximum(row_src, 0)
+            residual, y, attn_mix = residual[take], y[take], jax.tree.map(lambda a: a[take], attn_mix)
+            published = jax.tree.map(lambda a: a[take], published)
+            hash_rows = None if hash_rows is None else hash_rows[take]
         residual, x, ffn_mix = mhc_step(residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
                                         attn_mix.pre, lp["ffn_norm"], **hc)
         update = Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb)
@@ -84,11 +100,27 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
             streams.append(hc_expand(residual, update))
             premixes.append(pre)
     residual, x, _ = mhc_step(residual, update, None, pre, params["norm"], **hc)
+    if logit_rows is not None:
+        if row_src is not None:  # batch row -> computed row
+            where = jnp.full((batch.tokens.shape[0],), 0, jnp.int32)
+            where = where.at[jnp.where(row_src >= 0, row_src, where.shape[0])].set(
+                jnp.arange(row_src.shape[0], dtype=jnp.int32), mode="drop")
+            logit_rows = where[logit_rows]
+        x = x[logit_rows]
     logits = linear(x, params["lm_head"])
     new_state = state.replace(seq_lens=info.ends, window=tuple(windows), engram_hist=engram_hist)
     if trace:
         return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows, selections)
     return logits, new_state
+
+
+def halo_rows(cfg: ModelConfig, multiple: int = 256) -> int:
+    """Rows per request that keep decoder replay exact (vllm #57281): every dependency of the
+    last token and of the trailing window caches through the replay depth (the last KV
+    source's output path plus the later layers), rounded up to ``multiple``."""
+    depth = cfg.num_hidden_layers - cfg.last_kv_source
+    rows = cfg.sliding_window + (depth - 1) * (cfg.sliding_window - 1)
+    return -(-rows // multiple) * multiple
 
 
 def _with_source(state: ModelState, s: int, update) -> ModelState:
@@ -115,4 +147,4 @@ def _engram_rows(cfg: ModelConfig, state: ModelState, batch: Batch, info: StepIn
     return rows, shifted.at[b, slot_in_hist].set(comp, mode="drop")
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "trace"), donate_argnames=("state",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "trace", "replay"), donate_argnames=("state",))

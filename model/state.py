@@ -7,8 +7,11 @@ The state holds ``B`` request slots. Per layer kind:
 * every KV source: a pool of compressed-KV rows and one of indexer-key rows, addressed
   through the page table (prefix-cacheable, so paged), and for ratio > 1 the pending
   group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens;
-* per request: the number of tokens processed and the Engram look-back (the last
-  ``max_ngram - 1`` compressed ids, ``DEAD`` where there is none).
+* per request: the number of tokens processed, the Engram look-back (the last
+  ``max_ngram - 1`` compressed ids, ``DEAD`` where there is none), the first position whose
+  window KV the ring holds (``window_floor``: after a prefix hit, encoder replay rebuilds
+  the ring from there) and how many tokens already have their compressed entries
+  (``cached_len``: replayed tokens keep the cached entries instead of rewriting them).
 
 Pages are counted in tokens: page ``j`` of a request covers its tokens
 ``[j * page_size, (j + 1) * page_size)``, i.e. ``page_size // ratio`` entries of a
@@ -30,7 +33,7 @@ from model.engram_hash import DEAD
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["seq_lens", "window", "comp_kv", "index_k", "tail_kv", "tail_gate", "page_table",
-                      "engram_hist"],
+                      "engram_hist", "window_floor", "cached_len"],
          meta_fields=["page_size"])
 @dataclass(frozen=True)
 class ModelState:
@@ -42,6 +45,8 @@ class ModelState:
     tail_gate: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
     page_table: jnp.ndarray  # int32 [B, pages per request]
     engram_hist: jnp.ndarray  # int32 [B, max_ngram - 1]
+    window_floor: jnp.ndarray  # int32 [B]
+    cached_len: jnp.ndarray  # int32 [B]
     page_size: int
 
     @property
@@ -74,6 +79,8 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
         tail_gate=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),
         page_table=jnp.arange(n_pages, dtype=jnp.int32).reshape(batch_size, pages),
         engram_hist=jnp.full((batch_size, max(cfg.engram_max_ngram_size - 1, 0)), DEAD, jnp.int32),
+        window_floor=jnp.zeros((batch_size,), jnp.int32),
+        cached_len=jnp.zeros((batch_size,), jnp.int32),
         page_size=page_size,
     )
 
