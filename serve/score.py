@@ -109,17 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         emap = jnp.asarray(engram_map_for(cfg.vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id))
     with tqdm(total=len(sequences), desc="scoring", unit="seq", file=sys.stderr) as bar:
         results = score_sequences(params, cfg, sequences, emap, args.batch_size, bar)
-    out_dir = args.output.resolve().parent
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{args.output.name}.", suffix=".tmp")
+    write_jsonl(args.output, [{"token_logprobs": lp} for lp in results])
+    return 0
+
+
+def write_jsonl(path: Path, rows: list) -> None:
+    """Write ``rows`` atomically: a temporary file renamed only once complete."""
+    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            for lp in results:
-                fh.write(json.dumps({"token_logprobs": lp}) + "\n")
-        os.replace(tmp, args.output)
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,380 @@
+"""The offline engine: continuous batching of V4.1 requests over one device.
+
+``Engine`` ties the host scheduler (serve/scheduler.py) to the device runner
+(serve/runner.py). Each iteration plans a ragged batch, pads it to a bucket and
+dispatches one jitted step. With overlap scheduling on, the host plans and dispatches
+step N+1 before it reads step N's samples: a decode whose previous token is still on
+the device is fed a placeholder the step resolves itself, and a request that finished in
+step N releases its slot only after the steps in flight for it have landed. Outputs are
+identical with overlap on and off (seeds are keyed by position).
+
+APIs: ``generate`` (batch), ``stream`` (async generator of deltas), ``score`` (per-token
+log-probs, the scoring CLI's path), ``abort``.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+from model.batch import Batch
+from model.config import ModelConfig
+from model.engram_hash import DEAD
+from model.forward import halo_rows
+from serve.request import Request
+from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
+from serve.sampling import SamplingArrays, SamplingParams
+from serve.scheduler import Chunk, Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 8
+    max_len: int = 4096
+    page_size: int = 64
+    num_pages: int | None = None  # default: enough for max_running full-length requests
+    prefill_budget: int = 8192  # new prefill tokens per step (chunked prefill)
+    decoder_replay: str = "approx"  # "approx" | "exact" | "off"
+    overlap: bool = True
+    prefix_cache: bool = True
+    top_logprobs: int = 20
+
+    def __post_init__(self):
+        if self.decoder_replay not in ("approx", "exact", "off"):
+            raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
+        if self.page_size <= 0 or self.page_size % 2:
+            raise ValueError("page_size must be even (a ratio-2 group must not straddle pages)")
+        if min(self.max_running, self.max_len, self.prefill_budget) <= 0:
+            raise ValueError("max_running, max_len and prefill_budget must be positive")
+
+    @property
+    def pages(self) -> int:
+        return self.num_pages or self.max_running * -(-self.max_len // self.page_size)
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    tokens: int = 0
+    host_s: float = 0.0  # planning, padding and output processing
+    wait_s: float = 0.0  # host blocked on device results
+    step_log: list = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, params: dict, cfg: ModelConfig, config: EngineConfig = EngineConfig(), tokenizer=None):
+        from model.engram_vocab import engram_map_for
+
+        enable_compilation_cache()
+        self.cfg, self.config = cfg, config
+        self.tokenizer = tokenizer
+        emap = None
+        if cfg.engram_layer_ids:
+            emap = jnp.asarray(engram_map_for(cfg.vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id))
+        self._cmap = None if emap is None else np.asarray(emap)
+        eos = cfg.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+        keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
+        self.buckets = Buckets.make(config.max_running, config.prefill_budget, keep)
+        self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
+                                  config.pages, keep, self.buckets, config.top_logprobs)
+        self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.prefill_budget,
+                                   cfg.sliding_window, config.max_len, config.prefix_cache)
+        self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
+        self.stats = StepStats()
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._pending: list[tuple[list[Chunk], Any]] = []  # dispatched steps not yet processed
+        self._lock = threading.Lock()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+        from checkpoints.hf import load_params
+
+        cfg = ModelConfig.from_json(model_dir)
+        return cls(load_params(model_dir, cfg), cfg, config)
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, prompt: list[int] | str, params: SamplingParams | dict | None = None
+                ) -> tuple[list[int], SamplingParams]:
+        """Validate a request: ``(token ids, sampling params)``, or ValueError saying what is wrong."""
+        params = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size
+                              for t in ids):
+            raise ValueError(f"a prompt must be a non-empty list of token ids in [0, {self.cfg.vocab_size})")
+        if len(ids) + params.max_new_tokens > self.config.max_len:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the context length {self.config.max_len}")
+        return ids, params
+
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | dict | None = None,
+                    rid: str | None = None) -> list[str]:
+        """Queue a request (``n`` > 1 queues one per sample); returns the request ids."""
+        ids, params = self.prepare(prompt, params)
+        rid = rid or f"req-{next(self._ids)}"
+        out = []
+        with self._lock:
+            for i in range(params.n):
+                sub = rid if params.n == 1 else f"{rid}-{i}"
+                req = Request(sub, ids, params, next(self._ids))
+                self.scheduler.submit(req)
+                self._requests[sub] = req
+                out.append(sub)
+        return out
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            for key, req in self._requests.items():
+                if (key == rid or key.startswith(rid + "-")) and not req.finished:
+                    req.finish_reason = "abort"
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok().encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok().decode(ids, skip_special_tokens=False)
+
+    def _tok(self):
+        if self.tokenizer is None:
+            from tokenizers import Tokenizer
+
+            from model.engram_vocab import tokenizer_path
+
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_path()))
+        return self.tokenizer
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> None:
+        """One iteration: plan and dispatch a step, then process a finished one."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self._reap()
+            chunks = self.scheduler.schedule()
+            while chunks is None:  # memory is short: land everything in flight, then retract
+                if self._pending:
+                    self._finish_pending(t0)
+                    t0 = time.perf_counter()
+                else:
+                    self.scheduler.retract(self.scheduler.victim())
+                chunks = self.scheduler.schedule()
+            if chunks:
+                self._pending.append((chunks, self._dispatch(chunks)))
+        if self._pending and (not self.config.overlap or len(self._pending) > 1 or not chunks):
+            self._finish_pending(t0)
+        else:
+            self.stats.host_s += time.perf_counter() - t0
+
+    def _finish_pending(self, t0: float) -> None:
+        chunks, out = self._pending.pop(0)
+        self.stats.host_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        out = [np.asarray(a) for a in out]
+        t2 = time.perf_counter()
+        self.stats.wait_s += t2 - t1
+        with self._lock:
+            self._process(chunks, out)
+        self.stats.host_s += time.perf_counter() - t2
+
+    def run_until_idle(self) -> None:
+        while self.has_work:
+            self.step()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Release finished requests whose steps have all landed."""
+        for req in [r for r in self.scheduler.running if r.finished and not r.inflight]:
+            self.scheduler.release(req, cache=req.finish_reason != "abort")
+        for req in [r for r in self.scheduler.waiting if r.finished]:
+            self.scheduler.waiting.remove(req)
+
+    def _dispatch(self, chunks: list[Chunk]):
+        n_tok = sum(c.n for c in chunks)
+        has_prefill = any(c.n > 1 for c in chunks)
+        t = self.buckets.tokens(n_tok, has_prefill)
+        b, s = self.config.max_running, self.config.max_running
+        tokens, seq_ids, pos = np.zeros(t, np.int32), np.full(t, -1, np.int32), np.zeros(t, np.int32)
+        is_prompt = np.zeros(t, bool)
+        rows, slots = np.zeros(s, np.int32), np.full(s, -1, np.int32)
+        n_hist = self.runner.state.model.engram_hist.shape[1]
+        reset = SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
+                          np.full((b, n_hist), DEAD, np.int32))
+        ban = np.zeros((s, self.cfg.vocab_size), bool)
+        sampled, steps = [], []
+        row = 0
+        for c in chunks:
+            req, slot = c.req, c.req.slot
+            ids = req.ids
+            known = ids[c.start:c.start + c.n]
+            tokens[row:row + len(known)] = known
+            tokens[row + len(known):row + c.n] = -(slot + 1)  # the previous sample, still on the device
+            seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)
+            is_prompt[row:row + c.n] = np.arange(c.start, c.start + c.n) < len(req.prompt)
+            self.page_table[slot, :len(req.pages)] = req.pages
+            if c.fresh:  # a prefix hit restarts `window` tokens before its end (encoder replay)
+                reset.mask[slot], reset.seq_len[slot], reset.window_floor[slot] = True, c.start, c.start
+                reset.cached_len[slot] = req.shared_pages * self.config.page_size
+                if self._cmap is not None and n_hist:
+                    back = [int(self._cmap[x]) for x in ids[max(0, c.start - n_hist):c.start]]
+                    reset.engram_hist[slot, n_hist - len(back):] = back
+            if c.samples:
+                k = len(sampled)
+                rows[k], slots[k] = row + c.n - 1, slot
+                p = req.params
+                if len(req.output) < p.min_new_tokens:
+                    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
+                    ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
+                sampled.append(req)
+                steps.append(c.start + c.n)  # the sampled token's position
+            row += c.n
+            req.computed = c.start + c.n
+            req.inflight += 1
+        replay = None
+        if self.runner.replay_keep is not None and has_prefill:
+            keep = sum(min(c.n, self.runner.replay_keep) for c in chunks)
+            replay = self.buckets.replay_rows(keep) if self.buckets.replay_rows(keep) <= t else None
+        samp = SamplingArrays.build([r.params for r in sampled], steps, s, [r.rid for r in sampled])
+        inp = StepInput(Batch(tokens, seq_ids, pos), is_prompt, rows, slots, samp, ban, self.page_table.copy(), reset)
+        self.stats.steps += 1
+        self.stats.tokens += n_tok
+        out = self.runner.step(inp, replay)
+        return (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+
+    def _process(self, chunks: list[Chunk], out) -> None:
+        tokens, logprobs, top_ids, top_lps = out
+        k = 0
+        for c in chunks:
+            req = c.req
+            req.inflight -= 1
+            if not c.samples:
+                continue
+            i, k = k, k + 1
+            if req.finished:
+                continue  # a step dispatched before the host saw the stop
+            tok = int(tokens[i])
+            req.output.append(tok)
+            if req.params.logprobs:
+                req.token_logprobs.append(float(logprobs[i]))
+                n = req.params.top_logprobs
+                req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
+            decode = self.decode if (req.params.stop or req.rid in self._listeners) else None
+            req.check_stop(tok, self.eos_ids, decode)
+            self._notify(req)
+
+    # ------------------------------------------------------------------ public APIs
+    def generate(self, prompts: Iterable[list[int] | str], sampling_params: dict | list | None = None,
+                 decode_text: bool = True, progress=None) -> list[dict]:
+        """Run a batch to completion; results in input order. Every request is validated before any runs."""
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        prepared = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                prepared.append(self.prepare(p, sp))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        groups = [self.add_request(ids, sp) for ids, sp in prepared]
+        rids, done = [r for g in groups for r in g], 0
+        while self.has_work:
+            self.step()
+            if progress is not None:
+                finished = sum(self._requests[r].finished for r in rids)
+                progress.update(finished - done)
+                done = finished
+        self._reap()
+        results = []
+        for group in groups:
+            outs = [self._result(self._requests.pop(rid), decode_text) for rid in group]
+            results.append(outs[0] if len(outs) == 1 else {"choices": outs})
+        return results
+
+    def _result(self, req: Request, decode_text: bool) -> dict:
+        text = req.text
+        if decode_text and not text and req.output:
+            hidden = req.finish_reason == "stop" and isinstance(req.matched_stop, int)
+            text = self.decode(req.output[:-1] if hidden else req.output)
+        out = {"output_ids": list(req.output), "text": text, "finish_reason": req.finish_reason,
+               "matched_stop": req.matched_stop, "usage": req.usage()}
+        if req.params.logprobs:
+            out["token_logprobs"], out["top_logprobs"] = req.token_logprobs, req.top_logprobs
+        return out
+
+    async def stream(self, prompt: list[int] | str, sampling_params: dict | None = None):
+        """Yield ``{"text", "output_ids", "finish_reason", ...}`` deltas as tokens arrive.
+
+        Needs an engine loop running in a thread (``start``); cancelling the generator aborts the request.
+        """
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        rid = f"req-{next(self._ids)}"
+        self._listeners[rid] = (loop, queue)
+        try:
+            self.add_request(prompt, sampling_params, rid)
+            sent_text, sent_ids = "", 0
+            while True:
+                req = await queue.get()
+                delta = {"text": req.text[len(sent_text):], "output_ids": req.output[sent_ids:],
+                         "finish_reason": req.finish_reason}
+                sent_text, sent_ids = req.text, len(req.output)
+                if req.finished:
+                    delta["usage"] = req.usage()
+                yield delta
+                if req.finished:
+                    return
+        finally:
+            self._listeners.pop(rid, None)
+            self.abort(rid)
+            self._requests.pop(rid, None)
+
+    def _notify(self, req: Request) -> None:
+        listener = self._listeners.get(req.rid)
+        if listener is not None:
+            loop, queue = listener
+            loop.call_soon_threadsafe(queue.put_nowait, req)
+
+    def start(self) -> threading.Thread:
+        """Run the engine loop in a daemon thread (for ``stream``)."""
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                if self.has_work:
+                    self.step()
+                else:
+                    time.sleep(0.001)
+
+        thread = threading.Thread(target=loop, daemon=True, name="megajax-engine")
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def score(self, sequences: list[list[int]], batch_size: int = 8, progress=None) -> list[list[float | None]]:
+        """Per-token log-probs of whole sequences (no decoder replay: every prompt row is needed)."""
+        from serve.score import score_sequences
+
+        return score_sequences(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size,
+                               progress)
+
+    def warmup(self, progress=None) -> int:
+        """Compile every bucket shape now (not at the first request); returns the number compiled."""
+        shapes = self.buckets.shapes()
+        for t, r in shapes:
+            self.runner.step(self.runner.empty_input(t), r)
+            if progress is not None:
+                progress.update(1)
+        np.asarray(self.runner.state.last_token)
+        return len(shapes)
+

@@ -1,0 +1,84 @@
+"""Offline generation CLI: ``python -m serve.generate --model DIR --input IN.jsonl --output OUT.jsonl``.
+
+Each input line is ``{"input_ids": [...]}`` or ``{"text": "..."}`` with optional
+``"sampling_params"`` (SGLang names). Each output line, in input order, is
+``{"output_ids", "text", "finish_reason", "usage"}`` (``"choices"`` when ``n`` > 1).
+Inputs are validated before anything runs; the output file appears only when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from serve.score import InputError, write_jsonl
+
+
+def read_requests(path: Path) -> list[tuple[list[int] | str, dict]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
+            raise InputError(f'{path}:{n}: expected an object with exactly one of "input_ids" or "text"')
+        prompt = obj.get("input_ids", obj.get("text"))
+        if not prompt or not isinstance(prompt, (list, str)):
+            raise InputError(f"{path}:{n}: the prompt is empty or of the wrong type")
+        params = obj.get("sampling_params", {})
+        if not isinstance(params, dict):
+            raise InputError(f"{path}:{n}: sampling_params must be an object")
+        out.append((prompt, params))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="directory with config.json and safetensors")
+    ap.add_argument("--input", required=True, type=Path)
+    ap.add_argument("--output", required=True, type=Path)
+    ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
+    ap.add_argument("--max-running", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--prefill-budget", type=int, default=8192)
+    ap.add_argument("--no-overlap", action="store_true")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from checkpoints.hf import CheckpointError
+    from model.config import ConfigError
+    from serve.engine import Engine, EngineConfig
+    from serve.sampling import SamplingParams
+
+    try:
+        requests = read_requests(args.input)
+        config = EngineConfig(max_running=args.max_running, max_len=args.max_len,
+                              prefill_budget=args.prefill_budget, decoder_replay=args.decoder_replay,
+                              overlap=not args.no_overlap)
+        engine = Engine.from_model_dir(args.model, config)
+        for n, (prompt, params) in enumerate(requests, 1):
+            try:
+                engine.prepare(prompt, params)
+            except ValueError as e:
+                raise InputError(f"{args.input}: request {n}: {e}") from None
+    except (ConfigError, CheckpointError, InputError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = sum(SamplingParams.from_dict(sp).n for _, sp in requests)
+    with tqdm(total=total, desc="generating", unit="req", file=sys.stderr) as bar:
+        results = engine.generate([p for p, _ in requests], [sp for _, sp in requests], progress=bar)
+    write_jsonl(args.output, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

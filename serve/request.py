@@ -1,0 +1,66 @@
+"""A request's life on the host: its tokens, progress, pages, and stop conditions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int  # admission order tie-break (FIFO)
+    output: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: Any = None
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    shared_pages: int = 0  # leading pages borrowed from the radix cache
+    computed: int = 0  # tokens fed to the device (its seq_len once the in-flight steps land)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    radix_node: Any = None
+    inflight: int = 0  # dispatched steps whose results the host has not processed
+    admitted_at: int = -1
+    text: str = ""  # detokenised output (stop strings trimmed)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.ids) - 1
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.output),
+                "total_tokens": len(self.prompt) + len(self.output),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def check_stop(self, token: int, eos_ids: tuple[int, ...], decode) -> None:
+        """Apply the stop conditions after ``token`` was appended (``decode``: ids -> text, or None)."""
+        p = self.params
+        enough = len(self.output) >= p.min_new_tokens
+        if enough and token in p.stop_token_ids:
+            self.finish_reason, self.matched_stop = "stop", token
+        elif enough and not p.ignore_eos and token in eos_ids:
+            self.finish_reason, self.matched_stop = "stop", token
+        if decode is not None:
+            hidden = self.finish_reason == "stop"  # a stop token is not part of the text
+            self.text = decode(self.output[:-1] if hidden else self.output)
+            if enough and self.finish_reason is None:
+                for s in p.stop:
+                    at = self.text.find(s)
+                    if at >= 0:
+                        self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", s
+                        break
+        if self.finish_reason is None and len(self.output) >= p.max_new_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,174 @@
+"""The device side of the engine: model state, sampling state and the jitted step per shape bucket.
+
+One step is one jitted call: apply the slot resets of newly admitted requests, resolve
+token placeholders (overlap scheduling feeds a request's previous sample as ``-(slot+1)``
+before the host has seen it), run the forward over the ragged batch, sample one token
+for each requested logit row, and update the penalty counters and the per-slot last
+token. Inputs are padded to a small fixed set of shapes (``Buckets``), so the number of
+compilations is bounded; ``compile_count`` counts traces to prove it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.batch import Batch
+from model.config import ModelConfig
+from model.forward import forward
+from model.state import ModelState, init_state
+from serve.sampling import SampleOutput, SamplingArrays, sample
+
+
+def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Token-count buckets of prefill and decode steps and the row buckets of the replay layers.
+
+    Mirrors SGLang's split: decode batches (one token per request) up to ``max_running``;
+    prefill steps up to the chunk budget; replay layers up to ``window x max_running`` rows.
+    """
+
+    decode: tuple[int, ...]
+    prefill: tuple[int, ...]
+    replay: tuple[int, ...]
+
+    @classmethod
+    def make(cls, max_running: int, prefill_budget: int, replay_keep: int | None) -> "Buckets":
+        decode = _pow2_range(1, max_running)
+        prefill = tuple(b for b in _pow2_range(16, prefill_budget + max_running) if b > decode[-1])
+        replay = () if replay_keep is None else tuple(
+            sorted({min(replay_keep * k, prefill[-1]) for k in _pow2_range(1, max_running)}))
+        return cls(decode, prefill, replay)
+
+    def tokens(self, n: int, has_prefill: bool) -> int:
+        pool = self.prefill if has_prefill else self.decode + self.prefill
+        for b in pool:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} tokens exceed the largest bucket {pool[-1]}")
+
+    def replay_rows(self, n: int) -> int:
+        return next(b for b in self.replay if b >= n)
+
+    def shapes(self) -> list[tuple[int, int | None]]:
+        """Every (tokens, replay rows) pair a step can compile for."""
+        out = [(t, None) for t in self.decode]
+        for t in self.prefill:
+            out += [(t, None)] + [(t, r) for r in self.replay if r <= t]
+        return out
+
+
+class SlotReset(NamedTuple):
+    """Per-slot fields written before the forward, where ``mask`` is set (newly admitted requests)."""
+
+    mask: jnp.ndarray  # bool [B]
+    seq_len: jnp.ndarray  # int32 [B]
+    window_floor: jnp.ndarray  # int32 [B]
+    cached_len: jnp.ndarray  # int32 [B]
+    engram_hist: jnp.ndarray  # int32 [B, n-1]
+
+
+class StepInput(NamedTuple):
+    batch: Batch  # tokens may be -(slot+1): "the slot's previous sample"
+    is_prompt: jnp.ndarray  # bool [T]: prompt tokens (for the repetition penalty)
+    logit_rows: jnp.ndarray  # int32 [S]: batch rows to sample from
+    logit_slots: jnp.ndarray  # int32 [S]: their slots (-1: padding)
+    sampling: SamplingArrays  # [S]
+    ban: jnp.ndarray  # bool [S, V]
+    page_table: jnp.ndarray  # int32 [B, P]
+    reset: SlotReset
+
+
+class DeviceState(NamedTuple):
+    model: ModelState
+    counts: jnp.ndarray  # int32 [B, V]: output tokens per slot (frequency/presence penalties)
+    prompt_mask: jnp.ndarray  # bool [B, V]
+    last_token: jnp.ndarray  # int32 [B]
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    """Turn on JAX's persistent compilation cache (restarts reuse compiled buckets)."""
+    import os
+
+    path = path or os.environ.get("MEGAJAX_JAX_CACHE", os.path.expanduser("~/.cache/megajax/jax"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class ModelRunner:
+    def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
+                 num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20):
+        self.params, self.cfg, self.engram_map = params, cfg, engram_map
+        self.buckets, self.replay_keep, self.num_top = buckets, replay_keep, num_top
+        self.max_running = max_running
+        self.pages_per_request = -(-max_len // page_size)
+        model = init_state(cfg, max_running, max_len, page_size)
+        # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
+        model = model.replace(
+            comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)
+                          for r, p in zip(self._ratios(), model.comp_kv)),
+            index_k=tuple(jnp.zeros((num_pages * page_size // r, cfg.index_head_dim), p.dtype)
+                          for r, p in zip(self._ratios(), model.index_k)))
+        v = cfg.vocab_size
+        self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
+                                 jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
+        self.compile_count = 0
+        self._step = jax.jit(self._step_impl, static_argnames=("replay",), donate_argnames=("state",))
+
+    def _ratios(self) -> list[int]:
+        return [self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids]
+
+    def _step_impl(self, params, state: DeviceState, inp: StepInput, engram_map, replay):
+        self.compile_count += 1  # runs once per trace, i.e. per compiled shape
+        r = inp.reset
+        m = state.model
+        keep = ~r.mask
+        m = m.replace(
+            seq_lens=jnp.where(keep, m.seq_lens, r.seq_len), window_floor=jnp.where(keep, m.window_floor,
+                                                                                   r.window_floor),
+            cached_len=jnp.where(keep, m.cached_len, r.cached_len),
+            engram_hist=jnp.where(keep[:, None], m.engram_hist, r.engram_hist), page_table=inp.page_table)
+        counts = jnp.where(keep[:, None], state.counts, 0)
+        prompt_mask = state.prompt_mask & keep[:, None]
+        b = inp.batch
+        tokens = jnp.where(b.tokens < 0, state.last_token[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
+        slot_of = jnp.where((b.seq_ids >= 0) & inp.is_prompt, b.seq_ids, m.batch_size)
+        prompt_mask = prompt_mask.at[slot_of, tokens].set(True, mode="drop")
+        logits, m = forward(params, self.cfg, m, Batch(tokens, b.seq_ids, b.positions), engram_map,
+                            logit_rows=inp.logit_rows, replay=replay)
+        slots = jnp.maximum(inp.logit_slots, 0)
+        out: SampleOutput = sample(logits, inp.sampling, counts[slots], prompt_mask[slots], self.num_top,
+                                   ban=inp.ban)
+        live = jnp.where(inp.logit_slots >= 0, inp.logit_slots, m.batch_size)
+        counts = counts.at[live, out.tokens].add(1, mode="drop")
+        last = state.last_token.at[live].set(out.tokens, mode="drop")
+        return DeviceState(m, counts, prompt_mask, last), out
+
+    def step(self, inp: StepInput, replay_rows: int | None) -> SampleOutput:
+        """Dispatch one step; returns device arrays without waiting for them."""
+        replay = None if replay_rows is None else (self.replay_keep, replay_rows)
+        self.state, out = self._step(self.params, self.state, inp, self.engram_map, replay)
+        return out
+
+    def empty_input(self, tokens: int) -> StepInput:
+        """An all-padding input of ``tokens`` rows (warm-up)."""
+        s, b, v = self.max_running, self.max_running, self.cfg.vocab_size
+        n_hist = self.state.model.engram_hist.shape[1]
+        return StepInput(
+            Batch(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), np.zeros(tokens, np.int32)),
+            np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
+            SamplingArrays.build([], [], s), np.zeros((s, v), bool),
+            np.asarray(self.state.model.page_table),
+            SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
+                      np.zeros((b, n_hist), np.int32)))

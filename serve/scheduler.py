@@ -1,0 +1,191 @@
+"""Continuous batching over a paged V4.1 cache: admission, chunked prefill, decode, retraction.
+
+Each step the scheduler plans a ragged batch:
+
+1. every running request past its prefill decodes one token;
+2. requests in the middle of a prefill continue, then waiting requests are admitted FIFO
+   while slots, the per-step prefill budget and pages allow (chunked prefill);
+3. pages are taken from the free list, then from the radix cache's unlocked leaves (LRU);
+   if a decode still cannot get a page, the most recently admitted request is retracted
+   (its pages freed, requeued at the front; its generated tokens are recomputed, and its
+   seeds are keyed by position, so the output does not change).
+
+Prefix hits (MODEL_SPEC §6): on admission the prompt is matched against the radix cache;
+a page-aligned hit longer than the window is adopted and the request restarts ``window``
+tokens before the hit end (encoder replay rebuilds the window rings there; the cached
+compressed entries are kept). A request needs a slot (its window rings and tails) and
+pages (its compressed KV), which is the layout of ``model.state``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from serve.radix_cache import RadixCache
+from serve.request import Request
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.num_pages = num_pages
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = self.free[len(self.free) - n:]
+        del self.free[len(self.free) - n:]
+        return out
+
+    def give(self, pages) -> None:
+        self.free.extend(pages)
+
+
+@dataclass
+class Chunk:
+    req: Request
+    start: int  # first position fed
+    n: int  # tokens fed
+    samples: bool  # the chunk reaches the request's last known token: sample the next one
+    fresh: bool  # the request was admitted in this step (its slot fields must be reset)
+
+
+class Scheduler:
+    def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,
+                 max_len: int, prefix_cache: bool):
+        self.page_size, self.window, self.max_len = page_size, window, max_len
+        self.prefill_budget = prefill_budget
+        self.pool = PagePool(num_pages)
+        self.radix = RadixCache(page_size) if prefix_cache else None
+        self.free_slots = list(range(max_running - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._admissions = 0
+
+    # ------------------------------------------------------------------ pages
+    def _grab(self, n: int) -> list[int] | None:
+        pages = self.pool.take(n)
+        if pages is None and self.radix is not None:
+            self.pool.give(self.radix.evict(n - len(self.pool.free)))
+            pages = self.pool.take(n)
+        return pages
+
+    def _reserve(self, req: Request, upto: int) -> bool:
+        """Own pages covering positions ``< upto``."""
+        need = -(-upto // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self._grab(need)
+        if pages is None:
+            return False
+        req.pages += pages
+        return True
+
+    @property
+    def used_pages(self) -> int:
+        cached = self.radix.evictable_pages if self.radix is not None else 0
+        return self.pool.num_pages - len(self.pool.free) - cached
+
+    # ------------------------------------------------------------------ lifecycle
+    def submit(self, req: Request) -> None:
+        if len(req.prompt) + req.params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt of {len(req.prompt)} tokens plus max_new_tokens "
+                             f"{req.params.max_new_tokens} exceeds the context length {self.max_len}")
+        if -(-self.max_len // self.page_size) > self.pool.num_pages:
+            raise ValueError("the page pool cannot hold one full-length request")
+        self.waiting.append(req)
+
+    def release(self, req: Request, cache: bool) -> None:
+        """Free a request's slot and pages; with ``cache`` its full pages go to the radix cache."""
+        pages = req.pages[req.shared_pages:]  # the prefix-hit pages belong to the radix cache
+        if self.radix is not None:
+            if cache:
+                full = min(req.computed, len(req.ids)) // self.page_size
+                _, dup = self.radix.insert(req.ids[:full * self.page_size], req.pages[:full])
+                self.pool.give(dup)
+                pages = req.pages[max(full, req.shared_pages):]
+            if req.radix_node is not None:
+                self.radix.unlock(req.radix_node)
+        self.pool.give(pages)
+        req.pages, req.radix_node, req.shared_pages = [], None, 0
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def retract(self, req: Request) -> None:
+        self.release(req, cache=False)
+        req.computed, req.cached_tokens = 0, 0
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request) -> int:
+        """Give ``req`` a slot and its prefix hit; returns the first position to compute."""
+        req.slot = self.free_slots.pop()
+        req.admitted_at = self._admissions
+        self._admissions += 1
+        start = 0
+        if self.radix is not None:
+            usable = (len(req.ids) - 1) // self.page_size * self.page_size  # always compute the last token
+            m = self.radix.match_prefix(req.ids[:usable])
+            if m.length > self.window:
+                self.radix.lock(m.node)
+                req.radix_node, req.pages, req.shared_pages = m.node, list(m.pages), len(m.pages)
+                req.cached_tokens = min(m.length, len(req.prompt))
+                start = m.length - self.window
+            self.radix.record_request(len(req.prompt), req.cached_tokens)
+        req.computed = start
+        self.running.append(req)
+        return start
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> list[Chunk] | None:
+        """The next step's chunks; None when a decode needs a page that only retraction can free."""
+        chunks: list[Chunk] = []
+        for req in sorted(self.running, key=lambda r: r.admitted_at):
+            if req.finished or req.prefilling:
+                continue
+            if not self._reserve(req, req.computed + 1):
+                return None
+            chunks.append(Chunk(req, req.computed, 1, True, False))
+        budget = self.prefill_budget
+        for req in sorted(self.running, key=lambda r: r.admitted_at):
+            if budget <= 0:
+                break
+            if req.finished or not req.prefilling:
+                continue
+            chunk = self._prefill_chunk(req, budget, fresh=False)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk.n
+        while budget > 0 and self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if req.finished:
+                self.waiting.popleft()
+                continue
+            if -(-min(len(req.ids), budget) // self.page_size) > len(self.pool.free) + self._evictable():
+                break
+            self.waiting.popleft()
+            self._admit(req)
+            chunk = self._prefill_chunk(req, budget, fresh=True)
+            if chunk is None:  # could not get pages after all: back to the queue
+                self.retract(req)
+                break
+            chunks.append(chunk)
+            budget -= chunk.n
+        return chunks
+
+    def _evictable(self) -> int:
+        return self.radix.evictable_pages if self.radix is not None else 0
+
+    def _prefill_chunk(self, req: Request, budget: int, fresh: bool) -> Chunk | None:
+        n = min(budget, len(req.ids) - req.computed)
+        if not self._reserve(req, req.computed + n):
+            return None
+        return Chunk(req, req.computed, n, req.computed + n == len(req.ids), fresh)
+
+    def victim(self) -> Request | None:
+        """The request to retract when memory runs out: the most recently admitted one."""
+        live = [r for r in self.running if not r.finished]
+        return max(live, key=lambda r: r.admitted_at) if live else None
