@@ -10,6 +10,7 @@ compilations is bounded; ``compile_count`` counts traces to prove it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,8 @@ from model.config import ModelConfig
 from model.forward import forward
 from model.state import ModelState, init_state
 from serve.sampling import SampleOutput, SamplingArrays, sample
+
+TRACES = 0
 
 
 def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
@@ -106,6 +109,35 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+@partial(jax.jit, static_argnames=("cfg", "num_top", "replay"), donate_argnames=("state",))
+def run_step(params, state: DeviceState, inp: StepInput, engram_map, *, cfg: ModelConfig, num_top: int,
+             replay: tuple[int, int] | None):
+    """One engine step (see the module docstring). Jitted once per bucket shape, shared by all engines."""
+    global TRACES
+    TRACES += 1  # the body runs once per trace, i.e. per compiled shape
+    r = inp.reset
+    m = state.model
+    keep = ~r.mask
+    m = m.replace(
+        seq_lens=jnp.where(keep, m.seq_lens, r.seq_len), window_floor=jnp.where(keep, m.window_floor, r.window_floor),
+        cached_len=jnp.where(keep, m.cached_len, r.cached_len),
+        engram_hist=jnp.where(keep[:, None], m.engram_hist, r.engram_hist), page_table=inp.page_table)
+    counts = jnp.where(keep[:, None], state.counts, 0)
+    prompt_mask = state.prompt_mask & keep[:, None]
+    b = inp.batch
+    tokens = jnp.where(b.tokens < 0, state.last_token[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
+    slot_of = jnp.where((b.seq_ids >= 0) & inp.is_prompt, b.seq_ids, m.batch_size)
+    prompt_mask = prompt_mask.at[slot_of, tokens].set(True, mode="drop")
+    logits, m = forward(params, cfg, m, Batch(tokens, b.seq_ids, b.positions), engram_map,
+                        logit_rows=inp.logit_rows, replay=replay)
+    slots = jnp.maximum(inp.logit_slots, 0)
+    out: SampleOutput = sample(logits, inp.sampling, counts[slots], prompt_mask[slots], num_top, ban=inp.ban)
+    live = jnp.where(inp.logit_slots >= 0, inp.logit_slots, m.batch_size)
+    counts = counts.at[live, out.tokens].add(1, mode="drop")
+    last = state.last_token.at[live].set(out.tokens, mode="drop")
+    return DeviceState(m, counts, prompt_mask, last), out
+
+
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20):
@@ -123,43 +155,22 @@ class ModelRunner:
         v = cfg.vocab_size
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
-        self.compile_count = 0
-        self._step = jax.jit(self._step_impl, static_argnames=("replay",), donate_argnames=("state",))
+        self._traces_at_start = TRACES
 
     def _ratios(self) -> list[int]:
         return [self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids]
 
-    def _step_impl(self, params, state: DeviceState, inp: StepInput, engram_map, replay):
-        self.compile_count += 1  # runs once per trace, i.e. per compiled shape
-        r = inp.reset
-        m = state.model
-        keep = ~r.mask
-        m = m.replace(
-            seq_lens=jnp.where(keep, m.seq_lens, r.seq_len), window_floor=jnp.where(keep, m.window_floor,
-                                                                                   r.window_floor),
-            cached_len=jnp.where(keep, m.cached_len, r.cached_len),
-            engram_hist=jnp.where(keep[:, None], m.engram_hist, r.engram_hist), page_table=inp.page_table)
-        counts = jnp.where(keep[:, None], state.counts, 0)
-        prompt_mask = state.prompt_mask & keep[:, None]
-        b = inp.batch
-        tokens = jnp.where(b.tokens < 0, state.last_token[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
-        slot_of = jnp.where((b.seq_ids >= 0) & inp.is_prompt, b.seq_ids, m.batch_size)
-        prompt_mask = prompt_mask.at[slot_of, tokens].set(True, mode="drop")
-        logits, m = forward(params, self.cfg, m, Batch(tokens, b.seq_ids, b.positions), engram_map,
-                            logit_rows=inp.logit_rows, replay=replay)
-        slots = jnp.maximum(inp.logit_slots, 0)
-        out: SampleOutput = sample(logits, inp.sampling, counts[slots], prompt_mask[slots], self.num_top,
-                                   ban=inp.ban)
-        live = jnp.where(inp.logit_slots >= 0, inp.logit_slots, m.batch_size)
-        counts = counts.at[live, out.tokens].add(1, mode="drop")
-        last = state.last_token.at[live].set(out.tokens, mode="drop")
-        return DeviceState(m, counts, prompt_mask, last), out
-
     def step(self, inp: StepInput, replay_rows: int | None) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""
         replay = None if replay_rows is None else (self.replay_keep, replay_rows)
-        self.state, out = self._step(self.params, self.state, inp, self.engram_map, replay)
+        self.state, out = run_step(self.params, self.state, inp, self.engram_map, cfg=self.cfg,
+                                   num_top=self.num_top, replay=replay)
         return out
+
+    @property
+    def compile_count(self) -> int:
+        """Step compilations since this runner was built (any engine's)."""
+        return TRACES - self._traces_at_start
 
     def empty_input(self, tokens: int) -> StepInput:
         """An all-padding input of ``tokens`` rows (warm-up)."""

@@ -9,13 +9,13 @@ Why it looks like this:
   greedy and sampled requests (``num_top`` is the only static argument).
 * Randomness comes only from ``fold_in(key(seed), step)`` per row (threefry, named explicitly), so a request's
   tokens do not depend on which other requests share its batch, nor on its row.
-* top-k and top-p need the k-th largest logit and the nucleus boundary; instead of sorting ``[B, V]`` we find
-  both thresholds exactly by a 16-way search over the float bit patterns (8 rounds of fused compare-and-reduce).
+* top-k and top-p together keep the tokens at or above one per-row logit threshold; instead of sorting ``[B, V]``
+  we find it exactly by a 16-way search over the float bit patterns (8 rounds of fused compare-and-reduce).
 
 Order of operations in :func:`sample` (matches vLLM / SGLang):
 ban (-> -inf) -> repetition penalty (prompt or output tokens) -> frequency and presence penalties (output tokens)
--> greedy rows: argmax; other rows: / temperature -> top-k -> top-p over the top-k-renormalised distribution
--> min-p -> Gumbel-max. Logprobs are reported under the raw ``logits`` argument (OpenAI convention).
+-> greedy rows: argmax; other rows: / temperature -> top-k and top-p jointly (SGLang; vLLM instead renormalises
+after top-k) -> min-p -> Gumbel-max. Logprobs are reported under the raw ``logits`` argument (OpenAI convention).
 """
 from __future__ import annotations
 
@@ -177,8 +177,10 @@ class SamplingArrays(NamedTuple):
                 seed = request_seed(request_ids[i])
             else:
                 raise ValueError(f"row {i} samples without a seed: pass request_ids")
-            row = dict(temperature=0.0 if p.is_greedy() else p.temperature, top_p=p.top_p, top_k=p.top_k,
-                       min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+            g = p.is_greedy()  # greedy rows drop the filters, so an all-greedy batch skips their cost
+            row = dict(temperature=0.0 if g else p.temperature, top_p=1.0 if g else p.top_p,
+                       top_k=-1 if g else p.top_k, min_p=0.0 if g else p.min_p,
+                       repetition_penalty=p.repetition_penalty,
                        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                        seed=seed, step=steps[i])
             for k, v in row.items():
@@ -234,7 +236,7 @@ def _ordered_key(x: jax.Array) -> jax.Array:
 def _largest_threshold(keys: jax.Array, weights: jax.Array | None, target: jax.Array) -> jax.Array:
     """Per row, the largest t with sum(weights[keys >= t]) >= target (a count if weights is None).
 
-    The mass is monotone in t, so 4 bits of t are fixed per round by testing 15 candidates at once.
+    The sum is monotone in t, so 4 bits of t are fixed per round by testing 15 candidates at once.
     """
     t = jnp.zeros(keys.shape[:1], jnp.uint32)
     digits = jnp.arange(1, 16, dtype=jnp.uint32)
@@ -247,21 +249,30 @@ def _largest_threshold(keys: jax.Array, weights: jax.Array | None, target: jax.A
 
 
 def truncation_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Tokens that survive top-k, then top-p (on the top-k-renormalised distribution), then min-p.
+    """Tokens that survive top-k, top-p and min-p, all three judged on the distribution softmax(z).
 
-    ``z``: [B, V] temperature-scaled logits. Ties at a top-k or top-p boundary are all kept (vLLM keeps all ties
-    for top-k). At least the most likely token always survives.
+    ``z``: [B, V] temperature-scaled logits. top-k and top-p are applied jointly, without renormalising in
+    between (SGLang's ``filter_apply_order="joint"``): a token survives if it is among the k most likely and in
+    the smallest most-likely set with probability >= top_p. Ties at either boundary are all kept (as vLLM's top-k
+    does); the most likely token always survives.
     """
     vocab = z.shape[-1]
     m = jnp.max(z, axis=-1, keepdims=True)
-    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))  # unnormalised probs; the max is 1
-    keys = _ordered_key(z)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
-    in_k = keys >= _largest_threshold(keys, None, k)[:, None]
-    e_k = jnp.where(in_k, e, 0.0)
-    thr_p = _largest_threshold(keys, e_k, top_p * e_k.sum(-1))
-    thr_p = jnp.where(top_p < 1.0, thr_p, jnp.uint32(0))
-    return in_k & (keys >= thr_p[:, None]) & (e >= min_p[:, None])
+
+    def search(z: jax.Array, m: jax.Array) -> jax.Array:  # keys and e recomputed here fuse into the reductions
+        keys, e = _ordered_key(z), jnp.exp(z - m)
+        thr_k = _largest_threshold(keys, None, k)  # the k-th largest key (k = V: the smallest, keeps all)
+        thr_p = jnp.where(top_p < 1.0, _largest_threshold(keys, e, top_p * e.sum(-1)), jnp.uint32(0))
+        return jnp.maximum(thr_k, thr_p)
+
+    # The searches dominate the cost: skip them when no row of the batch filters (lax.cond, no Python branch).
+    # (One fused search for both conditions compiled to something 3x slower on GPU.)
+    thr = lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), search,
+                   lambda *_: jnp.zeros(z.shape[:1], jnp.uint32), z, m)
+    keys, e = _ordered_key(z), jnp.exp(z - m)  # e: unnormalised probs, the max is 1
+    return (keys >= thr[:, None]) & (e >= min_p[:, None])
 
 
 def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:

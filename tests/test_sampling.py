@@ -85,6 +85,8 @@ def test_build_pads_with_greedy_rows_and_needs_seeds():
     assert np.asarray(a.temperature).tolist() == pytest.approx([0.7, 0.0, 0.0])
     assert np.asarray(a.top_k).tolist() == [3, -1, -1] and np.asarray(a.step).tolist() == [9, 0, 0]
     assert np.asarray(a.seed).tolist() == [0xFFFFFFFF, 0, 0] and a.seed.dtype == jnp.uint32
+    g = SamplingArrays.build([SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2)], [0], 1)
+    assert (int(g.top_k[0]), float(g.top_p[0]), float(g.min_p[0])) == (-1, 1.0, 0.0)  # filters mean nothing greedy
     with pytest.raises(ValueError, match="seed"):
         SamplingArrays.build([SamplingParams()], [0], 2)
     with pytest.raises(ValueError, match="batch_size"):
@@ -186,7 +188,9 @@ def test_top_k_1_is_greedy(temperature):
     ({"top_p": 0.3}, {0}),
     ({"top_p": 0.7}, {0, 1}),          # 0.5 + 0.25 >= 0.7
     ({"top_p": 0.8}, {0, 1, 2}),
-    ({"top_k": 2, "top_p": 0.6}, {0}),  # top-p on the top-k-renormalised distribution: 0.5/0.75 >= 0.6
+    ({"top_k": 2, "top_p": 0.6}, {0, 1}),  # joint (SGLang): no renormalising after top-k (vLLM would give {0})
+    ({"top_k": 3, "top_p": 0.7}, {0, 1}),
+    ({"top_k": 1, "top_p": 0.9}, {0}),
     ({"min_p": 0.4}, {0, 1}),           # keep p >= 0.2
     ({"min_p": 0.25}, {0, 1, 2}),       # keep p >= 0.125
     ({"min_p": 0.5, "temperature": 2.0}, {0, 1, 2}),  # after temperature: p ~ sqrt(P4)
@@ -197,16 +201,16 @@ def test_support(kw, expected):
 
 
 def truncation_np(z, k, p, min_p):
-    """Reference: sort, top-k, renormalise, smallest prefix with mass >= p, then min-p."""
+    """Reference: sort once; keep the top k, and the shortest prefix with mass >= p, and p_i >= min_p * p_max."""
     v = z.shape[0]
     probs = np.exp(log_softmax(z))
     order = np.argsort(-z, kind="stable")
-    kk = v if k <= 0 else min(k, v)
-    top = order[:kk]
-    cum = np.cumsum(probs[top]) / probs[top].sum()
-    n = kk if p >= 1 else min(int(np.searchsorted(cum, p)) + 1, kk)
+    cum = np.cumsum(probs[order])
+    n = v if k <= 0 else min(k, v)
+    if p < 1:
+        n = min(n, int(np.searchsorted(cum, p)) + 1)
     keep = np.zeros(v, bool)
-    keep[top[:n]] = True
+    keep[order[:n]] = True
     near = (p < 1 and np.abs(cum - p).min() < 1e-4) or \
         (min_p > 0 and np.abs(probs / probs.max() - min_p).min() < 1e-4)
     return keep & (probs >= min_p * probs.max()), near

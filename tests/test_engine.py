@@ -1,0 +1,175 @@
+"""The engine against the plain forward: continuous batching, overlap, buckets, memory, prefix cache."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import GOLDEN, REPORT
+from model.batch import pack_requests
+from model.forward import forward_jit
+from model.state import init_state
+from serve.engine import Engine, EngineConfig
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _engine(tiny, **kw):
+    base = dict(max_running=4, max_len=128, page_size=16, prefill_budget=32, decoder_replay="off",
+                prefix_cache=False)
+    return Engine(tiny.params, tiny.cfg, EngineConfig(**{**base, **kw}))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return [tiny.cases[n]["prompt_ids"][:k] for n, k in (("c64", 40), ("c37", 21), ("c19", 19), ("c5", 5),
+                                                         ("c50_chunked", 33))]
+
+
+def _greedy_reference(tiny, prompt, n):
+    state = init_state(tiny.cfg, 1, 128, page_size=16)
+    logits, state = forward_jit(tiny.params, tiny.cfg, state, pack_requests([(0, prompt, 0)], pad_to=128), tiny.emap)
+    out = [int(np.asarray(logits)[len(prompt) - 1].argmax())]
+    for _ in range(n - 1):
+        batch = pack_requests([(0, [out[-1]], len(prompt) + len(out) - 1)])
+        logits, state = forward_jit(tiny.params, tiny.cfg, state, batch, tiny.emap)
+        out.append(int(np.asarray(logits)[0].argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts):
+    return [_greedy_reference(tiny, p, GREEDY["max_new_tokens"]) for p in prompts]
+
+
+def _staggered(engine, prompts, params=GREEDY):
+    """Two requests first, the rest arriving while those decode."""
+    rids = [engine.add_request(p, params)[0] for p in prompts[:2]]
+    for _ in range(3):
+        engine.step()
+    rids += [engine.add_request(p, params)[0] for p in prompts[2:]]
+    engine.run_until_idle()
+    return [engine._requests[r] for r in rids]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_equals_plain_forward(tiny, prompts, reference, overlap):
+    engine = _engine(tiny, overlap=overlap)
+    reqs = _staggered(engine, prompts)
+    assert [r.output for r in reqs] == reference
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4  # nothing leaks
+
+
+def test_mixed_workload_compiles_within_buckets(tiny):
+    engine = _engine(tiny, decoder_replay="approx", prefix_cache=True)
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        if step % 4 == 0:
+            n = int(rng.integers(3, 70))
+            engine.add_request(rng.integers(3, 512, size=n).tolist(),
+                               {"max_new_tokens": int(rng.integers(1, 12)), "temperature": 0.7, "seed": step})
+        if engine.has_work:
+            engine.step()
+    engine.run_until_idle()
+    shapes = engine.buckets.shapes()
+    REPORT["engine: compiled shapes in a 60-step mixed workload"] = (
+        f"{engine.runner.compile_count} of {len(shapes)} buckets over {engine.stats.steps} steps")
+    assert engine.runner.compile_count <= len(shapes) < engine.stats.steps
+    assert engine.scheduler.used_pages == 0
+
+
+def test_abort_frees_everything(tiny, prompts):
+    engine = _engine(tiny)
+    rids = [engine.add_request(p, {"max_new_tokens": 50, "ignore_eos": True})[0] for p in prompts]
+    for _ in range(4):
+        engine.step()
+    for r in rids:
+        engine.abort(r)
+    engine.run_until_idle()
+    s = engine.scheduler
+    assert all(engine._requests[r].finish_reason == "abort" for r in rids)
+    assert not s.running and not s.waiting and len(s.pool.free) == s.pool.num_pages and len(s.free_slots) == 4
+
+
+def test_page_exhaustion_queues_and_retracts(tiny, prompts, reference):
+    # 5 pages of 16 tokens cannot hold the batch at once: requests wait or are retracted and recomputed.
+    engine = _engine(tiny, num_pages=5, max_len=64)
+    reqs = _staggered(engine, prompts)
+    assert [r.output for r in reqs] == reference
+    assert len(engine.scheduler.pool.free) == 5
+
+
+def test_seeds_reproduce_across_batches(tiny, prompts):
+    params = {"max_new_tokens": 6, "temperature": 0.9, "top_p": 0.9, "seed": 1234, "ignore_eos": True}
+    alone = _engine(tiny).generate([prompts[0]], params, decode_text=False)[0]["output_ids"]
+    batched = _engine(tiny, overlap=False).generate(prompts[:3], params, decode_text=False)[0]["output_ids"]
+    assert alone == batched
+    n2 = _engine(tiny).generate([prompts[0]], {**params, "seed": None, "n": 2}, decode_text=False)[0]
+    assert len(n2["choices"]) == 2 and n2["choices"][0]["output_ids"] != n2["choices"][1]["output_ids"]
+
+
+def test_stop_conditions(tiny, prompts, reference):
+    engine = _engine(tiny)
+    ref = reference[0]
+    stop_tok = ref[3]
+    res = engine.generate([prompts[0]] * 3, [
+        {**GREEDY, "stop_token_ids": [stop_tok]},
+        {**GREEDY, "stop_token_ids": [stop_tok], "min_new_tokens": ref.index(stop_tok) + 2},
+        {**GREEDY, "max_new_tokens": 2}])
+    assert res[0]["output_ids"] == ref[:ref.index(stop_tok) + 1] and res[0]["finish_reason"] == "stop"
+    assert res[0]["matched_stop"] == stop_tok
+    assert stop_tok not in res[1]["output_ids"][:ref.index(stop_tok) + 2]  # banned until min_new_tokens
+    assert res[2]["output_ids"] == ref[:2] and res[2]["finish_reason"] == "length"
+    text = engine.decode(ref)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    got = engine.generate([prompts[0]], {**GREEDY, "stop": [stop]})[0]
+    assert got["finish_reason"] == "stop" and got["text"] == text[:text.find(stop)]
+
+
+def test_logprobs_are_returned(tiny, prompts):
+    res = _engine(tiny).generate([prompts[1]], {**GREEDY, "logprobs": True, "top_logprobs": 3})[0]
+    assert len(res["token_logprobs"]) == 8 and all(len(t) == 3 for t in res["top_logprobs"])
+    for lp, top in zip(res["token_logprobs"], res["top_logprobs"]):
+        assert top[0][1] >= top[1][1] >= top[2][1] and abs(lp - top[0][1]) < 1e-5  # greedy picks the top one
+
+
+def test_prefix_cache_multi_turn(tiny, prompts):
+    engine = _engine(tiny, prefix_cache=True)
+    first = engine.generate([prompts[0]], GREEDY, decode_text=False)[0]
+    turn2 = prompts[0] + first["output_ids"] + prompts[1][:9]
+    hit = engine.generate([turn2], GREEDY, decode_text=False)[0]
+    cold = _engine(tiny).generate([turn2], GREEDY, decode_text=False)[0]
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 3 full pages of 16
+    assert engine.scheduler.radix.stats["cached_tokens"] == 48
+    same = np.mean([a == b for a, b in zip(hit["output_ids"], cold["output_ids"])])
+    REPORT["prefix hit vs cold (multi-turn, greedy tokens equal)"] = f"{same:.0%}"
+    assert hit["output_ids"][0] == cold["output_ids"][0]
+
+
+def test_prefix_cache_eviction_keeps_serving(tiny):
+    engine = _engine(tiny, prefix_cache=True, num_pages=8, max_len=64)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 512, size=40).tolist() for _ in range(6)]
+    res = engine.generate(prompts + prompts[:2], {**GREEDY, "max_new_tokens": 4}, decode_text=False)
+    assert all(r["finish_reason"] == "length" for r in res)
+    assert engine.scheduler.radix.cached_pages <= 8
+
+
+def test_generate_cli(tmp_path, tiny, prompts, reference):
+    from serve import generate
+
+    lines = [{"input_ids": prompts[0], "sampling_params": GREEDY}, {"input_ids": prompts[3], "sampling_params": GREEDY}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "in.jsonl"), "--output",
+                        str(tmp_path / "out.jsonl"), "--decoder-replay", "off", "--max-len", "128"])
+    assert rc == 0
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["output_ids"] for r in rows] == [reference[0], reference[3]]
+    assert rows[0]["usage"]["prompt_tokens"] == len(prompts[0])
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1], "sampling_params": {"top_p": 7}}\n')
+    rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "bad.jsonl"), "--output",
+                        str(tmp_path / "bad_out.jsonl")])
+    assert rc == 2 and not (tmp_path / "bad_out.jsonl").exists()
