@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--prefill-budget", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args(argv)
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         requests = read_requests(args.input)
         config = EngineConfig(max_running=args.max_running, max_len=args.max_len,
-                              prefill_budget=args.prefill_budget, decoder_replay=args.decoder_replay,
+                              prefill_budget=args.prefill_budget, page_size=args.page_size,
+                              decoder_replay=args.decoder_replay,
                               overlap=not args.no_overlap)
         engine = Engine.from_model_dir(args.model, config)
         for n, (prompt, params) in enumerate(requests, 1):

@@ -88,11 +88,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def submit(self, req: Request) -> None:
-        if len(req.prompt) + req.params.max_new_tokens > self.max_len:
+        total = len(req.prompt) + req.params.max_new_tokens
+        if total > self.max_len:
             raise ValueError(f"prompt of {len(req.prompt)} tokens plus max_new_tokens "
                              f"{req.params.max_new_tokens} exceeds the context length {self.max_len}")
-        if -(-self.max_len // self.page_size) > self.pool.num_pages:
-            raise ValueError("the page pool cannot hold one full-length request")
+        if -(-total // self.page_size) > self.pool.num_pages:
+            raise ValueError(f"the page pool ({self.pool.num_pages} pages) cannot hold a request of {total} tokens")
         self.waiting.append(req)
 
     def release(self, req: Request, cache: bool) -> None:

@@ -96,7 +96,7 @@ def test_abort_frees_everything(tiny, prompts):
 
 def test_page_exhaustion_queues_and_retracts(tiny, prompts, reference):
     # 5 pages of 16 tokens cannot hold the batch at once: requests wait or are retracted and recomputed.
-    engine = _engine(tiny, num_pages=5, max_len=64)
+    engine = _engine(tiny, num_pages=5)
     reqs = _staggered(engine, prompts)
     assert [r.output for r in reqs] == reference
     assert len(engine.scheduler.pool.free) == 5
@@ -150,7 +150,7 @@ def test_prefix_cache_multi_turn(tiny, prompts):
 
 
 def test_prefix_cache_eviction_keeps_serving(tiny):
-    engine = _engine(tiny, prefix_cache=True, num_pages=8, max_len=64)
+    engine = _engine(tiny, prefix_cache=True, num_pages=8)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 512, size=40).tolist() for _ in range(6)]
     res = engine.generate(prompts + prompts[:2], {**GREEDY, "max_new_tokens": 4}, decode_text=False)
@@ -164,7 +164,8 @@ def test_generate_cli(tmp_path, tiny, prompts, reference):
     lines = [{"input_ids": prompts[0], "sampling_params": GREEDY}, {"input_ids": prompts[3], "sampling_params": GREEDY}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "in.jsonl"), "--output",
-                        str(tmp_path / "out.jsonl"), "--decoder-replay", "off", "--max-len", "128"])
+                        str(tmp_path / "out.jsonl"), "--decoder-replay", "off", "--max-len", "128",
+                        "--max-running", "4", "--page-size", "16", "--prefill-budget", "32"])
     assert rc == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == [reference[0], reference[3]]
