@@ -363,7 +363,7 @@ class Engine:
 
     def score(self, sequences: list[list[int]], batch_size: int = 8, progress=None) -> list[list[float | None]]:
         """Per-token log-probs of whole sequences (no decoder replay: every prompt row is needed)."""
-        from serve.score import score_sequences
+        from serve.batch_scoring import score_sequences
 
         return score_sequences(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size,
                                progress)

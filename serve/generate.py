@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-budget", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, InputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.no_warmup:
+        with tqdm(total=len(engine.buckets.shapes()), desc="compiling buckets", file=sys.stderr) as bar:
+            engine.warmup(bar)
     total = sum(SamplingParams.from_dict(sp).n for _, sp in requests)
     with tqdm(total=total, desc="generating", unit="req", file=sys.stderr) as bar:
         results = engine.generate([p for p, _ in requests], [sp for _, sp in requests], progress=bar)

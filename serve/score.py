@@ -4,7 +4,8 @@ Each input line is ``{"input_ids": [...]}``; each output line is ``{"token_logpr
 [null, lp_1, ...]}``, the log-probability of every token given those before it. Inputs
 are validated up front (a bad line is reported with its number and nothing runs), then
 grouped into a few power-of-two length buckets, each jitted once, with a progress bar.
-The output is written to a temporary file and renamed only when complete.
+The output is written to a temporary file and renamed only when complete. The work is
+``Engine.score`` (serve/batch_scoring.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 
 class InputError(ValueError):
@@ -46,38 +46,6 @@ def read_inputs(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
     return out
 
 
-def bucket_length(n: int, smallest: int = 16) -> int:
-    return max(smallest, 1 << (n - 1).bit_length())
-
-
-def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_size: int, progress=None
-                    ) -> list[list[float | None]]:
-    """Log-probs of each sequence, batched by length bucket, in input order."""
-    import jax.numpy as jnp
-
-    from model.scoring import token_logprobs
-
-    results: list = [None] * len(sequences)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    groups: dict[int, list[int]] = {}
-    for i in order:
-        groups.setdefault(bucket_length(len(sequences[i])), []).append(i)
-    for length, members in groups.items():
-        for k in range(0, len(members), batch_size):
-            rows = members[k:k + batch_size]
-            tokens = np.zeros((batch_size, length), np.int32)
-            lengths = np.zeros((batch_size,), np.int32)
-            for r, i in enumerate(rows):
-                tokens[r, :len(sequences[i])] = sequences[i]
-                lengths[r] = len(sequences[i])
-            lp = np.asarray(token_logprobs(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), engram_map))
-            for r, i in enumerate(rows):
-                results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
-            if progress is not None:
-                progress.update(len(rows))
-    return results
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.score", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="directory with config.json and safetensors")
@@ -91,24 +59,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from checkpoints.hf import CheckpointError, load_params
+    from checkpoints.hf import CheckpointError
     from model.config import ConfigError, ModelConfig
-    from model.engram_vocab import engram_map_for
+    from serve.engine import Engine, EngineConfig
 
     try:
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
-        params = load_params(args.model, cfg)
+        # Scoring runs whole sequences from an empty state: the engine needs no KV pool for it.
+        engine = Engine.from_model_dir(args.model, EngineConfig(max_running=1, max_len=2, page_size=2))
     except (ConfigError, CheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    emap = None
-    if cfg.engram_layer_ids:
-        import jax.numpy as jnp
-
-        emap = jnp.asarray(engram_map_for(cfg.vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id))
     with tqdm(total=len(sequences), desc="scoring", unit="seq", file=sys.stderr) as bar:
-        results = score_sequences(params, cfg, sequences, emap, args.batch_size, bar)
+        results = engine.score(sequences, args.batch_size, bar)
     write_jsonl(args.output, [{"token_logprobs": lp} for lp in results])
     return 0
 

@@ -1,7 +1,9 @@
 """The engine against the plain forward: continuous batching, overlap, buckets, memory, prefix cache."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -165,7 +167,7 @@ def test_generate_cli(tmp_path, tiny, prompts, reference):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "in.jsonl"), "--output",
                         str(tmp_path / "out.jsonl"), "--decoder-replay", "off", "--max-len", "128",
-                        "--max-running", "4", "--page-size", "16", "--prefill-budget", "32"])
+                        "--max-running", "4", "--page-size", "16", "--prefill-budget", "32", "--no-warmup"])
     assert rc == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == [reference[0], reference[3]]
@@ -174,3 +176,25 @@ def test_generate_cli(tmp_path, tiny, prompts, reference):
     rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "bad.jsonl"), "--output",
                         str(tmp_path / "bad_out.jsonl")])
     assert rc == 2 and not (tmp_path / "bad_out.jsonl").exists()
+
+
+def test_async_stream_and_disconnect(tiny, prompts, reference):
+    engine = _engine(tiny)
+    engine.start()
+
+    async def main():
+        deltas = [d async for d in engine.stream(prompts[0], GREEDY)]
+        ids = [t for d in deltas for t in d["output_ids"]]
+        assert ids == reference[0] and deltas[-1]["finish_reason"] == "length" and "usage" in deltas[-1]
+        assert "".join(d["text"] for d in deltas) == engine.decode(reference[0])
+        gen = engine.stream(prompts[1], {**GREEDY, "max_new_tokens": 60})
+        await gen.__anext__()
+        await gen.aclose()  # the client goes away: its request is aborted and its memory freed
+
+    asyncio.run(main())
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        time.sleep(0.05)
+    engine.stop()
+    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
