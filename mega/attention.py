@@ -14,7 +14,6 @@ only enlarges the softmax denominator, so fully masked rows stay finite.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from mega.primitives import HIGHEST, apply_rope

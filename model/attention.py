@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mega.attention import attention
 from mega.primitives import HIGHEST, apply_rope, linear, rms_norm

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -65,7 +65,6 @@ class StepStats:
     tokens: int = 0
     host_s: float = 0.0  # planning, padding and output processing
     wait_s: float = 0.0  # host blocked on device results
-    step_log: list = field(default_factory=list)
 
 
 class Engine:

@@ -8,34 +8,23 @@ Inputs are validated before anything runs; the output file appears only when com
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from serve.score import InputError, write_jsonl
+from serve.jsonl import InputError, read_objects, write_jsonl
 
 
 def read_requests(path: Path) -> list[tuple[list[int] | str, dict]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
-            raise InputError(f'{path}:{n}: expected an object with exactly one of "input_ids" or "text"')
+    for where, obj in read_objects(path):
+        if ("input_ids" in obj) == ("text" in obj):
+            raise InputError(f'{where}: expected an object with exactly one of "input_ids" or "text"')
         prompt = obj.get("input_ids", obj.get("text"))
         if not prompt or not isinstance(prompt, (list, str)):
-            raise InputError(f"{path}:{n}: the prompt is empty or of the wrong type")
+            raise InputError(f"{where}: the prompt is empty or of the wrong type")
         params = obj.get("sampling_params", {})
         if not isinstance(params, dict):
-            raise InputError(f"{path}:{n}: sampling_params must be an object")
+            raise InputError(f"{where}: sampling_params must be an object")
         out.append((prompt, params))
     return out
 

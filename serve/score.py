@@ -10,38 +10,22 @@ The output is written to a temporary file and renamed only when complete. The wo
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-
-
-class InputError(ValueError):
-    pass
+from serve.jsonl import InputError, read_objects, write_jsonl
 
 
 def read_inputs(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        ids = obj.get("input_ids") if isinstance(obj, dict) else None
+    for where, obj in read_objects(path):
+        ids = obj.get("input_ids")
         if not isinstance(ids, list) or not ids:
-            raise InputError(f'{path}:{n}: expected an object with a non-empty "input_ids" list')
+            raise InputError(f'{where}: expected an object with a non-empty "input_ids" list')
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-            raise InputError(f"{path}:{n}: input_ids must be integers in [0, {vocab_size})")
+            raise InputError(f"{where}: input_ids must be integers in [0, {vocab_size})")
         if len(ids) > max_len:
-            raise InputError(f"{path}:{n}: {len(ids)} tokens exceed --max-len {max_len}")
+            raise InputError(f"{where}: {len(ids)} tokens exceed --max-len {max_len}")
         out.append(ids)
     return out
 
@@ -75,19 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         results = engine.score(sequences, args.batch_size, bar)
     write_jsonl(args.output, [{"token_logprobs": lp} for lp in results])
     return 0
-
-
-def write_jsonl(path: Path, rows: list) -> None:
-    """Write ``rows`` atomically: a temporary file renamed only once complete."""
-    fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import asyncio
 import json
 import time
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
