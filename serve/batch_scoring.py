@@ -1,20 +1,18 @@
-"""Batched scoring of whole sequences: power-of-two length buckets, one jitted forward per bucket."""
+"""Batched whole-sequence passes: power-of-two length buckets, one jitted forward per bucket."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from model.scoring import token_logprobs
+from model.scoring import last_logits, token_logprobs
 
 
 def bucket_length(n: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
-def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_size: int, progress=None
-                    ) -> list[list[float | None]]:
-    """Log-probs of each sequence, batched by length bucket, in input order."""
-    results: list = [None] * len(sequences)
+def _bucketed(sequences: list[list[int]], batch_size: int):
+    """``(members, tokens [batch_size, L], lengths)`` per padded batch, shortest sequences first."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     groups: dict[int, list[int]] = {}
     for i in order:
@@ -27,9 +25,26 @@ def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_s
             for r, i in enumerate(rows):
                 tokens[r, :len(sequences[i])] = sequences[i]
                 lengths[r] = len(sequences[i])
-            lp = np.asarray(token_logprobs(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), engram_map))
-            for r, i in enumerate(rows):
-                results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
-            if progress is not None:
-                progress.update(len(rows))
+            yield rows, jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_size: int, progress=None
+                    ) -> list[list[float | None]]:
+    """Log-probs of each sequence's tokens (the first is None), in input order."""
+    results: list = [None] * len(sequences)
+    for rows, tokens, lengths in _bucketed(sequences, batch_size):
+        lp = np.asarray(token_logprobs(params, cfg, tokens, lengths, engram_map))
+        for r, i in enumerate(rows):
+            results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
+        if progress is not None:
+            progress.update(len(rows))
     return results
+
+
+def next_token_logits(params, cfg, sequences: list[list[int]], engram_map, batch_size: int) -> np.ndarray:
+    """``[len(sequences), V]`` logits after each sequence, in input order."""
+    out = np.zeros((len(sequences), cfg.vocab_size), np.float32)
+    for rows, tokens, lengths in _bucketed(sequences, batch_size):
+        logits = np.asarray(last_logits(params, cfg, tokens, lengths, engram_map))
+        out[rows] = logits[:len(rows)]
+    return out

@@ -310,21 +310,29 @@ class Engine:
             out["token_logprobs"], out["top_logprobs"] = req.token_logprobs, req.top_logprobs
         return out
 
-    async def stream(self, prompt: list[int] | str, sampling_params: dict | None = None):
+    async def stream(self, prompt: list[int] | str, sampling_params: SamplingParams | dict | None = None):
         """Yield ``{"text", "output_ids", "finish_reason", ...}`` deltas as tokens arrive.
 
         Needs an engine loop running in a thread (``start``); cancelling the generator aborts the request.
         """
+        ids, params = self.prepare(prompt, sampling_params)
+        if params.n != 1:
+            raise ValueError("stream() runs one sample: start n streams for n > 1")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         rid = f"req-{next(self._ids)}"
         self._listeners[rid] = (loop, queue)
         try:
-            self.add_request(prompt, sampling_params, rid)
+            self.add_request(ids, params, rid)
             sent_text, sent_ids = "", 0
             while True:
                 req = await queue.get()
                 delta = {"text": req.text[len(sent_text):], "output_ids": req.output[sent_ids:],
-                         "finish_reason": req.finish_reason}
+                         "finish_reason": req.finish_reason, "matched_stop": req.matched_stop}
+                if req.params.logprobs:
+                    delta["token_logprobs"] = req.token_logprobs[sent_ids:]
+                    delta["top_logprobs"] = req.top_logprobs[sent_ids:]
+                if not req.finished and not delta["output_ids"]:
+                    continue  # a repeated notification
                 sent_text, sent_ids = req.text, len(req.output)
                 if req.finished:
                     delta["usage"] = req.usage()
@@ -366,6 +374,12 @@ class Engine:
 
         return score_sequences(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size,
                                progress)
+
+    def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
+        """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""
+        from serve.batch_scoring import next_token_logits
+
+        return next_token_logits(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size)
 
     def warmup(self, progress=None) -> int:
         """Compile every bucket shape now (not at the first request); returns the number compiled."""

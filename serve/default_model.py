@@ -1,0 +1,34 @@
+"""The embedded default model: a small V4.1 with the real vocabulary, initialised deterministically.
+
+It has every mechanism of V4.1 (mHC, Engram, ratio-2 and ratio-1 KV sources, indexer,
+candidate blocks, Reindex, MoE) at toy width, and the DeepSeek-V4 tokenizer's vocabulary,
+so ``python -m serve`` answers text requests in one command without downloading weights.
+Its words are random: it is for trying the API, not for reading.
+"""
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+NAME = "megajax/deepseek-v4.1-tiny-random"
+SEED = 0
+
+
+def default_config() -> ModelConfig:
+    return ModelConfig.from_dict({
+        "vocab_size": 129280, "hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "head_dim": 64, "q_lora_rank": 64, "qk_rope_head_dim": 16, "sliding_window": 8,
+        "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1], "kv_source_layer_ids": [2, 4, 5],
+        "index_source_layer_ids": [2, 4, 5, 7], "candidate_source_layer_id": 5, "candidate_topk_blocks": 64,
+        "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 32, "index_topk": 64, "o_groups": 2,
+        "o_lora_rank": 64, "moe_intermediate_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "swiglu_limit": 10.0, "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                                               "original_max_position_embeddings": 65536},
+        "engram_layer_ids": [1, 4], "engram_vocab_size": 50, "engram_num_embeddings": [240, 306],
+        "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32, "dspark_noise_token_id": 128799,
+    })
+
+
+def default_params(cfg: ModelConfig):
+    from checkpoints.init import init_params
+
+    return init_params(cfg, seed=SEED)

@@ -1,0 +1,62 @@
+"""Prometheus metrics under the ``sglang:`` names users' dashboards expect (SERVING_CONVENTIONS §4)."""
+from __future__ import annotations
+
+import bisect
+import threading
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+
+
+class Histogram:
+    def __init__(self, name: str, doc: str, buckets=_LATENCY_BUCKETS):
+        self.name, self.doc, self.buckets = name, doc, buckets
+        self.counts = [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, labels: str) -> list[str]:
+        out = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip(self.buckets, self.counts):
+            running += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{self.name}_bucket{{{labels},le="{le}"}} {running}')
+        out += [f"{self.name}_sum{{{labels}}} {self.sum}", f"{self.name}_count{{{labels}}} {self.count}"]
+        return out
+
+
+class Metrics:
+    COUNTERS = {"prompt_tokens_total": "Prompt tokens processed", "generation_tokens_total": "Tokens generated",
+                "num_requests_total": "Requests finished", "cached_tokens_total": "Prompt tokens served from cache"}
+
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token")
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Time between streamed tokens")
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency")
+        self._lock = threading.Lock()
+
+    def finished(self, usage: dict, e2e: float) -> None:
+        with self._lock:
+            self.counters["prompt_tokens_total"] += usage["prompt_tokens"]
+            self.counters["generation_tokens_total"] += usage["completion_tokens"]
+            self.counters["cached_tokens_total"] += usage["prompt_tokens_details"]["cached_tokens"]
+            self.counters["num_requests_total"] += 1
+            self.e2e.observe(e2e)
+
+    def render(self, gauges: dict[str, float]) -> str:
+        lines = []
+        with self._lock:
+            for name, value in self.counters.items():
+                lines += [f"# HELP sglang:{name} {self.COUNTERS[name]}", f"# TYPE sglang:{name} counter",
+                          f"sglang:{name}{{{self.labels}}} {value}"]
+            for h in (self.ttft, self.itl, self.e2e):
+                lines += h.render(self.labels)
+        for name, value in gauges.items():
+            lines += [f"# TYPE sglang:{name} gauge", f'sglang:{name}{{{self.labels},dp="0"}} {value}']
+        return "\n".join(lines) + "\n"

