@@ -134,7 +134,7 @@ def _text(where: str, content: Any) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ChatTemplateError(f"{where}: content part {j} ({kind!r}) is not a text part; "
                                         "only text content is supported")
-        return "".join(parts)
+        return " ".join(parts)
     raise ChatTemplateError(f"{where}: content must be a string, a list of text parts or null, "
                             f"not {type(content).__name__}")
 

@@ -8,7 +8,9 @@ same text in any split yields the same final result. Why they look like this:
   ``\\n\\n<｜DS``) until it can decide, so markup never reaches a client (SERVING_CONVENTIONS §12, traps 3-4).
 * :class:`ReasoningParser` follows the lenient vLLM ``DeepSeekV4ReasoningParser``: reasoning also ends at
   ``<｜DSML｜tool_calls>`` without ``</think>``, and a completion with neither is all reasoning (the strict
-  reference would reject both).
+  reference would reject both). At EOS a held tail that began spelling ``｜…｜`` markup is dropped; any other
+  (``</th``, ``\\n\\n``, ``<``) is flushed as text, as it may well be
+  (``<think>``, ``</think>`` and ``｜DSML｜`` are single tokens, so cutting one leaves no partial text).
 * :class:`ToolCallParser` matches ``encoding_dsv4.py``'s decoding byte for byte on well-formed blocks (arguments
   ``{"k": v, "k2": v2}``; ``string="true"`` values JSON-escaped, others verbatim) and is lenient where that costs
   nothing (any whitespace between tags, no ``\\n\\n`` before the block, V3.2's ``function_calls`` wrapper, raw JSON
@@ -36,9 +38,9 @@ TOOL_CALLS_START = f"<{DSML}tool_calls>"
 BLOCK_START = "\n\n" + TOOL_CALLS_START  # how the model opens a tool block
 
 _CONTROL = (THINK_START, THINK_END, BOS, EOS)  # dropped wherever they appear
-_REASONING_MARKERS = _CONTROL + (BLOCK_START, TOOL_CALLS_START)
 # Anything that may become a DSML tag, with the "\n\n" the reference strips from the content before a block.
 _DSML_STARTS = ("\n\n<" + DSML, "\n\n</" + DSML, "<" + DSML, "</" + DSML, DSML)
+_REASONING_MARKERS = _CONTROL + _DSML_STARTS
 
 _PARAM_CLOSE = f"</{DSML}parameter>"
 _INVOKE_CLOSE = f"</{DSML}invoke>"
@@ -76,10 +78,12 @@ class ReasoningParser:
     """Splits output into (reasoning, content) deltas.
 
     ``thinking=True``: the prompt ended with ``<think>``, so output starts in reasoning; it ends at ``</think>``
-    (dropped) or at ``<｜DSML｜tool_calls>`` (the block, with its canonical ``\\n\\n``, is passed on as content for
-    :class:`ToolCallParser`). ``thinking=False``: everything is content. In both modes the control tokens
-    ``<think>``, ``</think>``, BOS and EOS are dropped wherever they appear (a stray ``</think>`` at the start of a
-    chat-mode answer is the common case), also inside tool arguments: they are single tokens, never plain text.
+    (dropped) or at DSML markup, normally ``\\n\\n<｜DSML｜tool_calls>``, which is passed on as content for
+    :class:`ToolCallParser`; any other DSML tag ends reasoning too, so that the tool parser reports it as
+    malformed instead of it leaking into reasoning. ``thinking=False``: everything is content. In both modes the
+    control tokens ``<think>``, ``</think>``, BOS and EOS are dropped wherever they appear (a stray ``</think>`` at
+    the start of a chat-mode answer is the common case), also inside tool arguments: they are single tokens, never
+    plain text.
     """
 
     def __init__(self, thinking: bool) -> None:
@@ -93,10 +97,10 @@ class ReasoningParser:
             i, marker = hit
             out[self.in_reasoning].append(self._buf[:i])
             self._buf = self._buf[i + len(marker):]
-            if self.in_reasoning and marker in (THINK_END, BLOCK_START, TOOL_CALLS_START):
+            if self.in_reasoning and marker not in (THINK_START, BOS, EOS):  # </think> or DSML markup
                 self.in_reasoning = False
                 if marker != THINK_END:
-                    out[False].append(BLOCK_START)
+                    out[False].append(marker)  # the tool parser needs the markup
         keep = len(self._buf) - _held(self._buf, self._markers())
         out[self.in_reasoning].append(self._buf[:keep])
         self._buf = self._buf[keep:]
@@ -243,7 +247,7 @@ class ToolCallParser:
         if not self._buf:
             return None
         if self._buf[0] != "<":
-            raise _Malformed(f"unexpected text in tool_calls block: {self._buf[:20]!r}")
+            raise _Malformed("unexpected text in tool_calls block")  # no excerpt: it would depend on the split
         end = self._buf.find(">")
         if end < 0:
             return None
@@ -336,7 +340,7 @@ class ToolCallParser:
     @staticmethod
     def _emit(d: ToolDelta, entry: dict[str, Any]) -> None:
         """Appends a call delta, merging argument fragments into the previous delta of the same call."""
-        if d.calls and d.calls[-1]["index"] == entry["index"] and "id" not in entry:
+        if d.calls and d.calls[-1]["index"] == entry["index"]:
             d.calls[-1]["function"]["arguments"] += entry["function"]["arguments"]
         else:
             d.calls.append(entry)
@@ -383,7 +387,7 @@ class OutputParser:
     def finish(self) -> OutputDelta:
         reasoning, content = self._reasoning.finish()
         a, b = self._tools.feed(content), self._tools.finish()
-        return self._delta(reasoning, ToolDelta(a.content + b.content, a.calls + b.calls, a.error or b.error))
+        return self._delta(reasoning, ToolDelta(a.content + b.content, a.calls, a.error or b.error))  # b: no calls
 
     def _delta(self, reasoning: str, t: ToolDelta) -> OutputDelta:
         return OutputDelta(reasoning, t.content, t.calls if self.tools_enabled else [], t.error)

@@ -33,7 +33,8 @@ Otherwise, output directly after </think> with tool calls or final response.
 ### Available Tool Schemas
 
 """
-TOOLS_BLOCK_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+TOOLS_BLOCK_TAIL = ("\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
+                    "tool calls.\n")
 MAX_EFFORT = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, "
@@ -223,7 +224,8 @@ def test_response_format_block():
     assert render_chat([user("q")], response_format=rf) == f'{BOS}{head}{{"type": "json_object"}}{U}q{A}{T1}'
     assert render_chat([user("q")], response_format={"type": "text"}) == f"{BOS}{U}q{A}{T1}"
     both = render_chat([user("q")], tools=[WEATHER], response_format=rf)
-    assert both == f'{BOS}\n\n{TOOLS_BLOCK_HEAD}{WEATHER_JSON}{TOOLS_BLOCK_TAIL}{head}{{"type": "json_object"}}{U}q{A}{T1}'
+    tools_block = f"\n\n{TOOLS_BLOCK_HEAD}{WEATHER_JSON}{TOOLS_BLOCK_TAIL}"
+    assert both == f'{BOS}{tools_block}{head}{{"type": "json_object"}}{U}q{A}{T1}'
 
 
 # ---- the real tokenizer ------------------------------------------------------------------------------------------
