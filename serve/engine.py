@@ -93,6 +93,7 @@ class Engine:
         self._pending: list[tuple[list[Chunk], Any]] = []  # dispatched steps not yet processed
         self._lock = threading.Lock()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -351,7 +352,9 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, req)
 
     def start(self) -> threading.Thread:
-        """Run the engine loop in a daemon thread (for ``stream``)."""
+        """Run the engine loop in a daemon thread (for ``stream``); a no-op while one runs."""
+        if self._thread is not None and self._thread.is_alive():
+            return self._thread
         self._stop = threading.Event()
 
         def loop():
@@ -361,12 +364,15 @@ class Engine:
                 else:
                     time.sleep(0.001)
 
-        thread = threading.Thread(target=loop, daemon=True, name="megajax-engine")
-        thread.start()
-        return thread
+        self._thread = threading.Thread(target=loop, daemon=True, name="megajax-engine")
+        self._thread.start()
+        return self._thread
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)
+            self._thread = None
 
     def score(self, sequences: list[list[int]], batch_size: int = 8, progress=None) -> list[list[float | None]]:
         """Per-token log-probs of whole sequences (no decoder replay: every prompt row is needed)."""

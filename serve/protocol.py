@@ -15,10 +15,9 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = status if code is None else code
+        self.status, self.message, self.param, self.code = status, message, param, status
 
     def body(self) -> dict:
         kind = _TYPES.get(self.status, "BadRequestError")

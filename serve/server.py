@@ -80,7 +80,9 @@ class Server:
             if e.status < 400:
                 raise
             return web.json_response(ApiError(e.status, e.reason or "error").body(), status=e.status)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client left; its request was aborted when its stream closed
+            return web.Response(status=499)
+        except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the server must answer and keep serving
             return web.json_response(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
@@ -99,7 +101,7 @@ class Server:
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+            raise ApiError(404, f"The model '{model}' does not exist", "model")
 
     def _tokens(self, prompt: Any, param: str) -> list[int]:
         if isinstance(prompt, str):
@@ -117,12 +119,12 @@ class Server:
         limit = self.engine.config.max_len
         if len(ids) >= limit:
             raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length "
-                                f"({limit} tokens).", "messages", "context_length_exceeded")
+                                f"({limit} tokens).", "messages")
         if len(ids) + params.max_new_tokens > limit:
             raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {limit} "
                                 f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
                                 f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
-                                f"for the completion.", "max_tokens", "context_length_exceeded")
+                                f"for the completion.", "max_tokens")
         if len(self.engine.scheduler.waiting) >= self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
 

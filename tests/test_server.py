@@ -1,0 +1,231 @@
+"""The HTTP server, live on localhost, driven by the official ``openai`` client and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from aiohttp import web
+
+from serve.default_model import NAME, default_config, default_params
+from serve.engine import Engine, EngineConfig
+from serve.server import Server
+
+
+class LiveServer:
+    def __init__(self, server: Server):
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def boot():
+            self.runner = web.AppRunner(server.app())
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+            started.set()
+
+        threading.Thread(target=lambda: (self.loop.run_until_complete(boot()), self.loop.run_forever()),
+                         daemon=True).start()
+        started.wait(60)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def request(self, path, body=None, method=None, headers=None, raw=None):
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.read().decode(), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = default_config()
+    engine = Engine(default_params(cfg), cfg, EngineConfig(max_running=4, max_len=128, page_size=16,
+                                                           prefill_budget=32, decoder_replay="off"))
+    engine.warmup()  # compile every bucket now, so request latencies below are serving, not compiling
+    return engine
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    srv = LiveServer(Server(engine, NAME, default_max_tokens=8))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _idle(engine, timeout=30.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        s = engine.scheduler
+        if not s.running and not s.waiting and not engine._listeners:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models_and_health(client, live):
+    models = client.models.list()
+    assert models.data[0].id == NAME
+    assert live.request("/health")[0] == 200
+    assert live.request("/health_generate")[0] == 200
+
+
+def test_completion_plain_and_seeded(client):
+    a = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
+                                  seed=7)
+    b = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
+                                  seed=7)
+    assert a.choices[0].text == b.choices[0].text and a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 6 and a.usage.prompt_tokens > 0
+
+
+def test_completion_stream_with_usage(client):
+    stream = client.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    whole = client.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
+    assert text == whole.choices[0].text
+
+
+def test_n_and_logprobs(client):
+    r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, n=2, temperature=1.0, logprobs=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
+    assert r.usage.completion_tokens == 8
+
+
+def test_native_generate_streams_cumulative_text(live):
+    status, body, _ = live.request("/generate", {"input_ids": [9, 10, 11], "stream": True,
+                                                 "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    frames = [json.loads(x[6:]) for x in body.split("\n\n") if x.startswith("data: {")]
+    assert status == 200 and body.rstrip().endswith("data: [DONE]")
+    texts = [f["text"] for f in frames]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    final = frames[-1]["meta_info"]
+    assert final["finish_reason"] == {"type": "length", "length": 4} and final["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": NAME, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "top_p": 7}, 400, "top_p"),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": NAME, "prompt": ""}, 400, "prompt"),
+    ({"model": NAME, "prompt": [1, -5]}, 400, "prompt"),
+    ({"model": NAME}, 400, "prompt"),
+    ({"model": "gpt-5", "prompt": "x"}, 404, "model"),
+    ({"model": NAME, "prompt": list(range(3, 200))}, 400, "messages"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
+])
+def test_bad_requests_get_openai_envelopes(live, engine, body, status, param):
+    code, text, _ = live.request("/v1/completions", body)
+    err = json.loads(text)["error"]
+    assert code == status and err["code"] == status and err["param"] == param and err["message"]
+    assert _idle(engine)
+
+
+def test_malformed_bodies(live):
+    code, text, _ = live.request("/v1/completions", raw=b"{not json")
+    assert code == 400 and "malformed JSON" in json.loads(text)["error"]["message"]
+    code, text, _ = live.request("/v1/completions", raw=b"[1, 2]")
+    assert code == 400
+    code, _, _ = live.request("/v1/completions", raw=b"prompt=x", headers={"Content-Type": "text/plain"})
+    assert code == 400
+    code, text, _ = live.request("/no/such/route")
+    assert code == 404 and "error" in json.loads(text)
+
+
+def test_disconnect_mid_stream_frees_memory(live, engine):
+    import socket
+
+    body = json.dumps({"prompt": [3, 4, 5], "max_tokens": 100, "stream": True, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", live.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"data:" in s.recv(4096) or b"data:" in s.recv(4096)
+    s.close()
+    assert _idle(engine), "the disconnected request was not aborted"
+    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+
+
+def test_metrics_and_flush(live, engine):
+    code, text, _ = live.request("/metrics")
+    assert code == 200
+    for name in ("sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:time_to_first_token_seconds",
+                 "sglang:inter_token_latency_seconds", "sglang:e2e_request_latency_seconds", "sglang:num_running_reqs",
+                 "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
+        assert name in text, name
+    assert _idle(engine)
+    assert live.request("/flush_cache", method="POST", raw=b"")[0] == 200
+
+
+def test_score_endpoint(live):
+    code, text, _ = live.request("/v1/score", {"query": [5, 6, 7], "items": [[8], [9, 10]],
+                                               "label_token_ids": [11, 12], "apply_softmax": True})
+    scores = json.loads(text)["scores"]
+    assert code == 200 and len(scores) == 2 and all(abs(sum(s) - 1) < 1e-5 for s in scores)
+
+
+def test_queue_limit_and_auth(live):
+    srv = live.server
+    srv.api_key, srv.max_queue = "sekret", 0
+    try:
+        code, _, _ = live.request("/v1/completions", {"prompt": "x"})
+        assert code == 401
+        code, text, headers = live.request("/v1/completions", {"prompt": "x"},
+                                           headers={"Authorization": "Bearer sekret"})
+        assert code == 429 and headers.get("Retry-After") and json.loads(text)["error"]["code"] == 429
+    finally:
+        srv.api_key, srv.max_queue = None, 256
+
+
+def test_soak_with_disconnects(live, engine):
+    """A burst of mixed requests, a third of them dropped mid-stream; nothing may leak."""
+    import random
+
+    rng = random.Random(0)
+
+    async def one(i):
+        import aiohttp
+
+        body = {"prompt": [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 40))],
+                "max_tokens": rng.randrange(1, 12), "temperature": rng.choice([0, 0.7]), "stream": i % 2 == 0}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(live.url + "/v1/completions", json=body) as resp:
+                if i % 3 == 0:
+                    await resp.content.readany()
+                    return None  # leave mid-stream
+                return resp.status
+
+    async def burst():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(60))), 60)
+
+    t0 = time.time()
+    statuses = asyncio.run(burst())
+    assert all(s in (None, 200) for s in statuses)
+    assert _idle(engine) and engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+    assert time.time() - t0 < 60
