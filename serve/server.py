@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -16,8 +17,10 @@ from typing import Any, AsyncIterator
 import numpy as np
 from aiohttp import web
 
+from serve.chat_template import ChatTemplateError, render_chat
 from serve.engine import Engine
 from serve.metrics import Metrics
+from serve.parsers import OutputDelta, OutputParser
 from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params
 from serve.sampling import SamplingParams
 
@@ -30,6 +33,7 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.metrics = Metrics(model_name)
+        self._control: re.Pattern | None = None
         self.created = int(time.time())
         self.ready = False
 
@@ -41,6 +45,7 @@ class Server:
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/generate", self.generate)
         r.add_post("/v1/score", self.score)
         r.add_get("/get_server_info", self.server_info)
@@ -234,6 +239,105 @@ class Server:
         choices_out = [{**out[i], "text": texts[i]} for i in sorted(out)]
         return web.json_response({**base, "choices": choices_out, "usage": usage.total})
 
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """Chat in DeepSeek-V4's format: rendered prompt, ``reasoning_content`` and DSML tool calls parsed out."""
+        body = await self._body(request)
+        self._check_model(body)
+        messages = body.get("messages")
+        require(isinstance(messages, list) and messages, "'messages' must be a non-empty list", "messages")
+        tools = body.get("tools")
+        require(tools is None or isinstance(tools, list), "'tools' must be a list", "tools")
+        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        if tool_choice not in ("auto", "none"):
+            raise ApiError(400, "only tool_choice 'auto' and 'none' are supported so far", "tool_choice")
+        kwargs = body.get("chat_template_kwargs") or {}
+        require(isinstance(kwargs, dict), "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise ApiError(400, "constrained response_format is not supported yet", "response_format")
+        try:
+            text = render_chat(messages, tools=tools, thinking=thinking, reasoning_effort=body.get("reasoning_effort"))
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = self.engine.encode(text)
+        params = openai_sampling(body, self.default_max_tokens)
+        stream = _typed_bool(body, "stream")
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if stream else
+                "chat.completion", "created": int(time.time()), "model": self.model_name}
+        parsers = [OutputParser(thinking, tools_enabled=bool(tools) and tool_choice != "none")
+                   for _ in range(params.n)]
+        usage = _Usage()
+
+        def finish_reason(i: int, d: dict) -> str | None:
+            if d["finish_reason"] == "stop" and parsers[i].tool_calls:
+                return "tool_calls"
+            return d["finish_reason"]
+
+        if stream:
+            resp = await self._sse(request)
+            for i in range(params.n):
+                await _send(resp, {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "finish_reason": None}]})
+            async for i, d in self._choices(ids, params):
+                usage.add(d)
+                out = parsers[i].feed(self._strip_control(d["text"]))
+                if d["finish_reason"] is not None:
+                    tail = parsers[i].finish()
+                    out = OutputDelta(out.reasoning + tail.reasoning, out.content + tail.content,
+                                      out.calls + tail.calls, out.error or tail.error)
+                delta = _chat_delta(out)
+                if delta or d.get("token_logprobs"):
+                    choice = {"index": i, "delta": delta, "finish_reason": None}
+                    if params.logprobs:
+                        choice["logprobs"] = _chat_logprobs(self.engine, d)
+                    await _send(resp, {**base, "choices": [choice]})
+                if out.error:
+                    await _send(resp, {"error": ApiError(500, f"malformed tool call: {out.error}").body()["error"]})
+                if d["finish_reason"] is not None:
+                    await _send(resp, {**base, "choices": [{"index": i, "delta": {}, "finish_reason": finish_reason(
+                        i, d), "matched_stop": None if parsers[i].tool_calls else d["matched_stop"]}]})
+            if include_usage:
+                await _send(resp, {**base, "choices": [], "usage": usage.total})
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        texts: dict[int, str] = {}
+        final: dict[int, dict] = {}
+        lps: dict[int, list] = {}
+        async for i, d in self._choices(ids, params):
+            usage.add(d)
+            texts[i] = texts.get(i, "") + self._strip_control(d["text"])
+            lps.setdefault(i, []).extend(_chat_logprobs(self.engine, d)["content"] if params.logprobs else [])
+            if d["finish_reason"] is not None:
+                final[i] = d
+        choices = []
+        for i in sorted(final):
+            parsed = parsers[i]
+            out, tail = parsed.feed(texts[i]), parsed.finish()
+            message = {"role": "assistant", "content": out.content + tail.content or None}
+            if thinking:
+                message["reasoning_content"] = out.reasoning + tail.reasoning
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+            choices.append({"index": i, "message": message, "finish_reason": finish_reason(i, final[i]),
+                            "matched_stop": None if parsed.tool_calls else final[i]["matched_stop"],
+                            "logprobs": {"content": lps[i]} if params.logprobs else None})
+        return web.json_response({**base, "choices": choices, "usage": usage.total})
+
+    def _strip_control(self, text: str) -> str:
+        """Drop V4's role and task tokens (``<｜User｜>``, ``<｜latest_reminder｜>``, ...) from chat output.
+
+        They are added tokens not flagged special, so detokenising keeps them (MODEL_SPEC §10); a token always
+        arrives whole in one delta. ``<think>`` and DSML markup are the parsers' business.
+        """
+        if self._control is None:
+            tok = self.engine._tok()
+            names = [t.content for t in tok.get_added_tokens_decoder().values()
+                     if t.content.startswith("<｜") and t.content.endswith("｜>")]
+            self._control = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
+        return self._control.sub("", text)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native endpoint: cumulative text when streaming, ``meta_info`` per response."""
         body = await self._body(request)
@@ -374,6 +478,27 @@ def _legacy_logprobs(engine: Engine, delta: dict, params: SamplingParams) -> dic
     return {"tokens": [engine.decode([t]) for t in ids], "token_logprobs": delta.get("token_logprobs", []),
             "top_logprobs": [{engine.decode([t]): lp for t, lp in top} for top in delta.get("top_logprobs", [])],
             "text_offset": [-1] * len(ids)}
+
+
+def _chat_delta(out: OutputDelta) -> dict:
+    delta: dict[str, Any] = {}
+    if out.reasoning:
+        delta["reasoning_content"] = out.reasoning
+    if out.content:
+        delta["content"] = out.content
+    if out.calls:
+        delta["tool_calls"] = out.calls
+    return delta
+
+
+def _chat_logprobs(engine: Engine, delta: dict) -> dict:
+    def entry(token: int, lp: float) -> dict:
+        text = engine.decode([token])
+        return {"token": text, "bytes": list(text.encode()), "logprob": lp}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                        for t, lp, top in zip(delta["output_ids"], delta.get("token_logprobs", []),
+                                              delta.get("top_logprobs", []))]}
 
 
 def _merge_legacy(a: dict | None, b: dict | None) -> dict | None:

@@ -54,7 +54,7 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def engine():
     cfg = default_config()
-    engine = Engine(default_params(cfg), cfg, EngineConfig(max_running=4, max_len=128, page_size=16,
+    engine = Engine(default_params(cfg), cfg, EngineConfig(max_running=4, max_len=512, page_size=16,
                                                            prefill_budget=32, decoder_replay="off"))
     engine.warmup()  # compile every bucket now, so request latencies below are serving, not compiling
     return engine
@@ -137,8 +137,8 @@ def test_native_generate_streams_cumulative_text(live):
     ({"model": NAME, "prompt": [1, -5]}, 400, "prompt"),
     ({"model": NAME}, 400, "prompt"),
     ({"model": "gpt-5", "prompt": "x"}, 404, "model"),
-    ({"model": NAME, "prompt": list(range(3, 200))}, 400, "messages"),
-    ({"model": NAME, "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": list(range(3, 600))}, 400, "messages"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
 ])
 def test_bad_requests_get_openai_envelopes(live, engine, body, status, param):
@@ -229,3 +229,37 @@ def test_soak_with_disconnects(live, engine):
     assert all(s in (None, 200) for s in statuses)
     assert _idle(engine) and engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
     assert time.time() - t0 < 60
+
+
+def test_chat_plain_and_streaming(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("length", "stop")
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (r.choices[0].message.content or "")
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert "<｜" not in text and "</think>" not in text
+
+
+def test_chat_thinking_and_tools_are_accepted(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=tools, max_tokens=5, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"thinking": True}})
+    msg = r.choices[0].message
+    assert getattr(msg, "reasoning_content", None) is not None or msg.content is None or isinstance(msg.content, str)
+    assert r.usage.prompt_tokens > 100  # the tools block is in the prompt
+
+
+def test_chat_errors(live):
+    for body, param in (({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
+                                                          "messages"),
+                        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                          "tools": []}, "tool_choice")):
+        code, text, _ = live.request("/v1/chat/completions", body)
+        assert code == 400 and json.loads(text)["error"]["param"] == param, text
