@@ -132,10 +132,12 @@ class Engine:
         return out
 
     def abort(self, rid: str) -> None:
+        """Finish a request (and its ``n`` samples) now; its stream, if any, ends with ``abort``."""
         with self._lock:
             for key, req in self._requests.items():
                 if (key == rid or key.startswith(rid + "-")) and not req.finished:
                     req.finish_reason = "abort"
+                    self._notify(req)
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
