@@ -28,10 +28,14 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.engram_hash import DEAD
 from model.forward import halo_rows
+from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
 from serve.sampling import SamplingArrays, SamplingParams
 from serve.scheduler import Chunk, Scheduler
+
+
+THINK_END_ID = 128822  # `</think>` in the DeepSeek-V4 tokenizer (MODEL_SPEC §10)
 
 
 @dataclass(frozen=True)
@@ -116,16 +120,26 @@ class Engine:
                              f"exceeds the context length {self.config.max_len}")
         return ids, params
 
+    def compile_grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
+        """The structured-output constraint of ``params`` (under thinking it starts after ``</think>``)."""
+        return compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
+
     def add_request(self, prompt: list[int] | str, params: SamplingParams | dict | None = None,
-                    rid: str | None = None) -> list[str]:
-        """Queue a request (``n`` > 1 queues one per sample); returns the request ids."""
+                    rid: str | None = None, grammar: Grammar | None = None) -> list[str]:
+        """Queue a request (``n`` > 1 queues one per sample); returns the request ids.
+
+        ``grammar`` is a precompiled constraint; without one, ``params``' json_schema/regex/ebnf is compiled here.
+        """
         ids, params = self.prepare(prompt, params)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         rid = rid or f"req-{next(self._ids)}"
         out = []
         with self._lock:
             for i in range(params.n):
                 sub = rid if params.n == 1 else f"{rid}-{i}"
                 req = Request(sub, ids, params, next(self._ids))
+                req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 self.scheduler.submit(req)
                 self._requests[sub] = req
                 out.append(sub)
@@ -238,6 +252,9 @@ class Engine:
                 if len(req.output) < p.min_new_tokens:
                     banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
                     ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
+                allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
+                if allowed is not None:
+                    ban[k] |= ~allowed
                 sampled.append(req)
                 steps.append(c.start + c.n)  # the sampled token's position
             row += c.n
@@ -267,6 +284,8 @@ class Engine:
                 continue  # a step dispatched before the host saw the stop
             tok = int(tokens[i])
             req.output.append(tok)
+            if req.grammar is not None:
+                req.grammar.consume(tok)
             if req.params.logprobs:
                 req.token_logprobs.append(float(logprobs[i]))
                 n = req.params.top_logprobs
@@ -284,10 +303,11 @@ class Engine:
         prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                prepared.append(self.prepare(p, sp))
+                ids, sp = self.prepare(p, sp)
+                prepared.append((ids, sp, self.compile_grammar(sp)))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        groups = [self.add_request(ids, sp) for ids, sp in prepared]
+        groups = [self.add_request(ids, sp, grammar=g) for ids, sp, g in prepared]
         rids, done = [r for g in groups for r in g], 0
         while self.has_work:
             self.step()
@@ -313,7 +333,8 @@ class Engine:
             out["token_logprobs"], out["top_logprobs"] = req.token_logprobs, req.top_logprobs
         return out
 
-    async def stream(self, prompt: list[int] | str, sampling_params: SamplingParams | dict | None = None):
+    async def stream(self, prompt: list[int] | str, sampling_params: SamplingParams | dict | None = None,
+                     grammar: Grammar | None = None):
         """Yield ``{"text", "output_ids", "finish_reason", ...}`` deltas as tokens arrive.
 
         Needs an engine loop running in a thread (``start``); cancelling the generator aborts the request.
@@ -325,7 +346,7 @@ class Engine:
         rid = f"req-{next(self._ids)}"
         self._listeners[rid] = (loop, queue)
         try:
-            self.add_request(ids, params, rid)
+            self.add_request(ids, params, rid, grammar)
             sent_text, sent_ids = "", 0
             while True:
                 req = await queue.get()

@@ -46,7 +46,7 @@ _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
                     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
                     "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
                     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
-                    "n": "n"}
+                    "n": "n", "regex": "regex", "ebnf": "ebnf"}
 
 
 def openai_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
@@ -65,6 +65,19 @@ def openai_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
             raise ApiError(400, "'logprobs' has the wrong type", "logprobs")
         params["logprobs"], params["top_logprobs"] = True, logprobs
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            params["json_schema"] = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError(400, "response_format.json_schema must be an object with a 'schema'",
+                               "response_format")
+            params["json_schema"] = spec.get("schema", {})
+        elif kind != "text":
+            raise ApiError(400, "response_format.type must be text, json_object or json_schema", "response_format")
     return sampling_params(params)
 
 

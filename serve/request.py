@@ -27,6 +27,7 @@ class Request:
     inflight: int = 0  # dispatched steps whose results the host has not processed
     admitted_at: int = -1
     text: str = ""  # detokenised output (stop strings trimmed)
+    grammar: Any = None  # serve.grammar.Grammar: structured-output constraint
 
     @property
     def ids(self) -> list[int]:

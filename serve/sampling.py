@@ -86,6 +86,10 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output (serve/grammar.py): at most one of these; json_schema is a JSON string or object.
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -118,6 +122,12 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(self.n >= 1, "n", "must be >= 1")
+        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        _check(len(grammars) <= 1, grammars[-1] if grammars else "", "give at most one of json_schema, regex, ebnf")
+        for k in ("regex", "ebnf"):
+            _check(getattr(self, k) is None or isinstance(getattr(self, k), str), k, "must be a string")
+        _check(self.json_schema is None or isinstance(self.json_schema, (str, dict)), "json_schema",
+               "must be a JSON schema (object or string)")
         _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @classmethod

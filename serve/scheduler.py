@@ -146,6 +146,8 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if req.finished or req.prefilling:
                 continue
+            if req.grammar is not None and req.inflight:
+                continue  # its next mask needs the sample still in flight
             if not self._reserve(req, req.computed + 1):
                 return None
             chunks.append(Chunk(req, req.computed, 1, True, False))

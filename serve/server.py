@@ -19,12 +19,14 @@ from aiohttp import web
 
 from serve.chat_template import ChatTemplateError, render_chat
 from serve.engine import Engine
+from serve.grammar import Grammar, GrammarError, has_grammar
 from serve.metrics import Metrics
 from serve.parsers import OutputDelta, OutputParser
 from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params
 from serve.sampling import SamplingParams
 
 HEALTH_TIMEOUT_S = 20.0
+GRAMMAR_TIMEOUT_S = 10.0
 
 
 class Server:
@@ -133,16 +135,34 @@ class Server:
         if len(self.engine.scheduler.waiting) >= self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
 
-    async def _choices(self, ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, dict]]:
+    async def _grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
+        """Compile the request's constraint off the event loop, within a time limit."""
+        if not has_grammar(params):
+            return None
+        field = next(k for k in ("json_schema", "regex", "ebnf") if getattr(params, k) is not None)
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(None, self.engine.compile_grammar, params, thinking),
+                                          GRAMMAR_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"compiling the {field} constraint took longer than {GRAMMAR_TIMEOUT_S:.0f} s",
+                           field) from None
+        except GrammarError as e:
+            raise ApiError(400, str(e), e.param) from None
+
+    async def _choices(self, ids: list[int], params: SamplingParams, thinking: bool = False
+                       ) -> AsyncIterator[tuple[int, dict]]:
         """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
         self._admit(ids, params)
+        grammar = await self._grammar(params, thinking)
         queue: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
 
         async def pump(i: int, p: SamplingParams):
             last = None
             try:
-                async for delta in self.engine.stream(ids, p):
+                g = None if grammar is None else (grammar if i == 0 else grammar.copy())
+                async for delta in self.engine.stream(ids, p, g):
                     now = time.perf_counter()
                     if delta["output_ids"]:
                         (self.metrics.ttft.observe(now - start) if last is None
@@ -253,9 +273,6 @@ class Server:
         kwargs = body.get("chat_template_kwargs") or {}
         require(isinstance(kwargs, dict), "'chat_template_kwargs' must be an object", "chat_template_kwargs")
         thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise ApiError(400, "constrained response_format is not supported yet", "response_format")
         try:
             text = render_chat(messages, tools=tools, thinking=thinking, reasoning_effort=body.get("reasoning_effort"))
         except ChatTemplateError as e:
@@ -280,7 +297,7 @@ class Server:
             for i in range(params.n):
                 await _send(resp, {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                         "finish_reason": None}]})
-            async for i, d in self._choices(ids, params):
+            async for i, d in self._choices(ids, params, thinking):
                 usage.add(d)
                 out = parsers[i].feed(self._strip_control(d["text"]))
                 if d["finish_reason"] is not None:
@@ -305,7 +322,7 @@ class Server:
         texts: dict[int, str] = {}
         final: dict[int, dict] = {}
         lps: dict[int, list] = {}
-        async for i, d in self._choices(ids, params):
+        async for i, d in self._choices(ids, params, thinking):
             usage.add(d)
             texts[i] = texts.get(i, "") + self._strip_control(d["text"])
             lps.setdefault(i, []).extend(_chat_logprobs(self.engine, d)["content"] if params.logprobs else [])

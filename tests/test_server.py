@@ -263,3 +263,26 @@ def test_chat_errors(live):
                           "tools": []}, "tool_choice")):
         code, text, _ = live.request("/v1/chat/completions", body)
         assert code == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+def test_structured_outputs(client, live):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["color", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "JSON please"}], max_tokens=40, temperature=0.9, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert obj["color"] in ("red", "green") and 0 <= obj["n"] <= 9 and set(obj) == {"color", "n"}
+    r = client.completions.create(model=NAME, prompt="Code:", max_tokens=20, temperature=1.0, seed=5,
+                                  extra_body={"regex": "[0-9]{3}-[a-z]{2}"})
+    import re
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].text), r.choices[0].text
+    code, text, _ = live.request("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 30, "json_schema":
+                                                                                 '{"type": "object"'}})
+    assert code == 400 and json.loads(text)["error"]["param"] == "json_schema"
+    code, text, _ = live.request("/v1/completions", {"prompt": "x", "regex": "[unclosed"})
+    assert code == 400 and json.loads(text)["error"]["param"] == "regex"
+    code, text, _ = live.request("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "response_format": {"type": "yaml"}})
+    assert code == 400 and json.loads(text)["error"]["param"] == "response_format"
+
