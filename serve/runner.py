@@ -26,20 +26,33 @@ from serve.sampling import SampleOutput, SamplingArrays, sample
 TRACES = 0
 
 
-def _pow2_range(lo: int, hi: int) -> tuple[int, ...]:
+def _dense(lo: int, hi: int, step: int) -> tuple[int, ...]:
+    """Powers of two from ``lo`` up to ``step``, then every multiple of ``step``, then ``hi``."""
     out, n = [], lo
-    while n < hi:
+    while n < min(step, hi):
         out.append(n)
         n *= 2
+    n = step
+    while n < hi:
+        out.append(n)
+        n += step
     return tuple(out) + (hi,)
+
+
+def _pow2(lo: int, hi: int) -> tuple[int, ...]:
+    return _dense(lo, hi, hi)
 
 
 @dataclass(frozen=True)
 class Buckets:
     """Token-count buckets of prefill and decode steps and the row buckets of the replay layers.
 
-    Mirrors SGLang's split: decode batches (one token per request) up to ``max_running``;
-    prefill steps up to the chunk budget; replay layers up to ``window x max_running`` rows.
+    Mirrors SGLang's split: decode batches (one token per request) up to ``max_running``
+    (1, 2, 4, 8, then every 8, like its CUDA-graph batch sizes); prefill steps up to the
+    chunk budget (powers of two to 512, then every 512: padding wastes at most 512 tokens);
+    replay layers up to ``window x max_running`` rows (powers of two of ``window``). The
+    step is one jitted program, so a prefill shape compiles once per replay bucket it can
+    meet; ``shapes`` lists them all.
     """
 
     decode: tuple[int, ...]
@@ -48,10 +61,10 @@ class Buckets:
 
     @classmethod
     def make(cls, max_running: int, prefill_budget: int, replay_keep: int | None) -> "Buckets":
-        decode = _pow2_range(1, max_running)
-        prefill = tuple(b for b in _pow2_range(16, prefill_budget + max_running) if b > decode[-1])
+        decode = _dense(1, max_running, 8)
+        prefill = tuple(b for b in _dense(16, prefill_budget + max_running, 512) if b > decode[-1])
         replay = () if replay_keep is None else tuple(
-            sorted({min(replay_keep * k, prefill[-1]) for k in _pow2_range(1, max_running)}))
+            sorted({min(replay_keep * k, prefill[-1]) for k in _pow2(1, max_running)}))
         return cls(decode, prefill, replay)
 
     def tokens(self, n: int, has_prefill: bool) -> int:
