@@ -14,7 +14,9 @@ log-probs, the scoring CLI's path), ``abort``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -95,7 +97,8 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._pending: list[tuple[list[Chunk], Any]] = []  # dispatched steps not yet processed
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # step() lands in-flight work while holding it
+        self.error: str | None = None  # set when the loop died; the server reports unhealthy
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
 
@@ -115,6 +118,8 @@ class Engine:
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size
                               for t in ids):
             raise ValueError(f"a prompt must be a non-empty list of token ids in [0, {self.cfg.vocab_size})")
+        if params.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
         if len(ids) + params.max_new_tokens > self.config.max_len:
             raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the context length {self.config.max_len}")
@@ -138,7 +143,8 @@ class Engine:
         with self._lock:
             for i in range(params.n):
                 sub = rid if params.n == 1 else f"{rid}-{i}"
-                req = Request(sub, ids, params, next(self._ids))
+                p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                req = Request(sub, ids, p, next(self._ids))
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 self.scheduler.submit(req)
                 self._requests[sub] = req
@@ -185,6 +191,7 @@ class Engine:
                     t0 = time.perf_counter()
                 else:
                     self.scheduler.retract(self.scheduler.victim())
+                self._reap()
                 chunks = self.scheduler.schedule()
             if chunks:
                 self._pending.append((chunks, self._dispatch(chunks)))
@@ -222,7 +229,7 @@ class Engine:
         t = self.buckets.tokens(n_tok, has_prefill)
         b, s = self.config.max_running, self.config.max_running
         tokens, seq_ids, pos = np.zeros(t, np.int32), np.full(t, -1, np.int32), np.zeros(t, np.int32)
-        is_prompt = np.zeros(t, bool)
+        is_prompt, recount = np.zeros(t, bool), np.zeros(t, bool)
         rows, slots = np.zeros(s, np.int32), np.full(s, -1, np.int32)
         n_hist = self.runner.state.model.engram_hist.shape[1]
         reset = SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
@@ -237,7 +244,9 @@ class Engine:
             tokens[row:row + len(known)] = known
             tokens[row + len(known):row + c.n] = -(slot + 1)  # the previous sample, still on the device
             seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)
-            is_prompt[row:row + c.n] = np.arange(c.start, c.start + c.n) < len(req.prompt)
+            fed = np.arange(c.start, c.start + c.n)
+            is_prompt[row:row + c.n] = fed < len(req.prompt)
+            recount[row:row + c.n] = (fed >= len(req.prompt)) & (fed < req.recount_upto)
             self.page_table[slot, :len(req.pages)] = req.pages
             if c.fresh:  # a prefix hit restarts `window` tokens before its end (encoder replay)
                 reset.mask[slot], reset.seq_len[slot], reset.window_floor[slot] = True, c.start, c.start
@@ -249,12 +258,12 @@ class Engine:
                 k = len(sampled)
                 rows[k], slots[k] = row + c.n - 1, slot
                 p = req.params
-                if len(req.output) < p.min_new_tokens:
+                if c.start + c.n - len(req.prompt) < p.min_new_tokens:  # outputs before this sample
                     banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
                     ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
                 allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
-                if allowed is not None:
-                    ban[k] |= ~allowed
+                if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
+                    ban[k] = ~allowed if (ban[k] | ~allowed).all() else ban[k] | ~allowed
                 sampled.append(req)
                 steps.append(c.start + c.n)  # the sampled token's position
             row += c.n
@@ -265,7 +274,8 @@ class Engine:
             keep = sum(min(c.n, self.runner.replay_keep) for c in chunks)
             replay = self.buckets.replay_rows(keep) if self.buckets.replay_rows(keep) <= t else None
         samp = SamplingArrays.build([r.params for r in sampled], steps, s, [r.rid for r in sampled])
-        inp = StepInput(Batch(tokens, seq_ids, pos), is_prompt, rows, slots, samp, ban, self.page_table.copy(), reset)
+        inp = StepInput(Batch(tokens, seq_ids, pos), is_prompt, recount, rows, slots, samp, ban, self.page_table.copy(),
+                        reset)
         self.stats.steps += 1
         self.stats.tokens += n_tok
         out = self.runner.step(inp, replay)
@@ -349,19 +359,21 @@ class Engine:
             self.add_request(ids, params, rid, grammar)
             sent_text, sent_ids = "", 0
             while True:
-                req = await queue.get()
-                delta = {"text": req.text[len(sent_text):], "output_ids": req.output[sent_ids:],
-                         "finish_reason": req.finish_reason, "matched_stop": req.matched_stop}
-                if req.params.logprobs:
-                    delta["token_logprobs"] = req.token_logprobs[sent_ids:]
-                    delta["top_logprobs"] = req.top_logprobs[sent_ids:]
-                if not req.finished and not delta["output_ids"]:
-                    continue  # a repeated notification
-                sent_text, sent_ids = req.text, len(req.output)
-                if req.finished:
-                    delta["usage"] = req.usage()
+                snap = await queue.get()  # a consistent copy taken on the engine thread
+                finished = snap["finish_reason"] is not None
+                text = snap["text"]
+                delta = {"text": text[len(sent_text):], "output_ids": snap["output"][sent_ids:],
+                         "finish_reason": snap["finish_reason"], "matched_stop": snap["matched_stop"]}
+                if params.logprobs:
+                    delta["token_logprobs"] = snap["token_logprobs"][sent_ids:]
+                    delta["top_logprobs"] = snap["top_logprobs"][sent_ids:]
+                if not finished and not delta["output_ids"] and not delta["text"]:
+                    continue  # nothing new
+                sent_text, sent_ids = text, len(snap["output"])
+                if finished:
+                    delta["usage"] = snap["usage"]
                 yield delta
-                if req.finished:
+                if finished:
                     return
         finally:
             self._listeners.pop(rid, None)
@@ -369,10 +381,14 @@ class Engine:
             self._requests.pop(rid, None)
 
     def _notify(self, req: Request) -> None:
+        """Hand a stream a snapshot of its request (called with the lock held)."""
         listener = self._listeners.get(req.rid)
         if listener is not None:
             loop, queue = listener
-            loop.call_soon_threadsafe(queue.put_nowait, req)
+            snap = {"text": req.text if req.finished else req.stable_text, "output": list(req.output),
+                    "token_logprobs": list(req.token_logprobs), "top_logprobs": list(req.top_logprobs),
+                    "finish_reason": req.finish_reason, "matched_stop": req.matched_stop, "usage": req.usage()}
+            loop.call_soon_threadsafe(queue.put_nowait, snap)
 
     def start(self) -> threading.Thread:
         """Run the engine loop in a daemon thread (for ``stream``); a no-op while one runs."""
@@ -382,14 +398,27 @@ class Engine:
 
         def loop():
             while not self._stop.is_set():
-                if self.has_work:
-                    self.step()
-                else:
-                    time.sleep(0.001)
+                try:
+                    if self.has_work:
+                        self.step()
+                    else:
+                        time.sleep(0.001)
+                except Exception as e:  # noqa: BLE001 - fail the requests, not silently hang them
+                    logging.getLogger("megajax").exception("engine loop failed")
+                    self.error = f"{type(e).__name__}: {e}"
+                    self._fail_all()
+                    return
 
         self._thread = threading.Thread(target=loop, daemon=True, name="megajax-engine")
         self._thread.start()
         return self._thread
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            for req in self._requests.values():
+                if not req.finished:
+                    req.finish_reason = "abort"
+                    self._notify(req)
 
     def stop(self) -> None:
         if self._thread is not None:

@@ -28,6 +28,8 @@ class Request:
     admitted_at: int = -1
     text: str = ""  # detokenised output (stop strings trimmed)
     grammar: Any = None  # serve.grammar.Grammar: structured-output constraint
+    recount_upto: int = 0  # outputs below this position are recomputed after a retraction: recount them
+    admissions: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -45,6 +47,14 @@ class Request:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.output),
                 "total_tokens": len(self.prompt) + len(self.output),
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    @property
+    def stable_text(self) -> str:
+        """The part of ``text`` that cannot change any more: a trailing partial UTF-8 character
+        (decoded as U+FFFD) or a trailing prefix of a stop string is held back."""
+        text = self.text.rstrip("\ufffd")
+        hold = max((k for s in self.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[:len(text) - hold]
 
     def check_stop(self, token: int, eos_ids: tuple[int, ...], decode) -> None:
         """Apply the stop conditions after ``token`` was appended (``decode``: ids -> text, or None)."""

@@ -98,6 +98,7 @@ class SlotReset(NamedTuple):
 class StepInput(NamedTuple):
     batch: Batch  # tokens may be -(slot+1): "the slot's previous sample"
     is_prompt: jnp.ndarray  # bool [T]: prompt tokens (for the repetition penalty)
+    recount: jnp.ndarray  # bool [T]: earlier outputs recomputed after a retraction (penalty counts)
     logit_rows: jnp.ndarray  # int32 [S]: batch rows to sample from
     logit_slots: jnp.ndarray  # int32 [S]: their slots (-1: padding)
     sampling: SamplingArrays  # [S]
@@ -141,6 +142,7 @@ def run_step(params, state: DeviceState, inp: StepInput, engram_map, *, cfg: Mod
     tokens = jnp.where(b.tokens < 0, state.last_token[jnp.maximum(-b.tokens - 1, 0)], b.tokens)
     slot_of = jnp.where((b.seq_ids >= 0) & inp.is_prompt, b.seq_ids, m.batch_size)
     prompt_mask = prompt_mask.at[slot_of, tokens].set(True, mode="drop")
+    counts = counts.at[jnp.where((b.seq_ids >= 0) & inp.recount, b.seq_ids, m.batch_size), tokens].add(1, mode="drop")
     logits, m = forward(params, cfg, m, Batch(tokens, b.seq_ids, b.positions), engram_map,
                         logit_rows=inp.logit_rows, replay=replay)
     slots = jnp.maximum(inp.logit_slots, 0)
@@ -191,7 +193,7 @@ class ModelRunner:
         n_hist = self.state.model.engram_hist.shape[1]
         return StepInput(
             Batch(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), np.zeros(tokens, np.int32)),
-            np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
+            np.zeros(tokens, bool), np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
             SamplingArrays.build([], [], s), np.zeros((s, v), bool),
             np.asarray(self.state.model.page_table),
             SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),

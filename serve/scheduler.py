@@ -61,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admissions = 0
+        self.retractions = 0
 
     # ------------------------------------------------------------------ pages
     def _grab(self, n: int) -> list[int] | None:
@@ -118,6 +119,7 @@ class Scheduler:
     def retract(self, req: Request) -> None:
         self.release(req, cache=False)
         req.computed, req.cached_tokens = 0, 0
+        self.retractions += 1
         self.waiting.appendleft(req)
 
     def _admit(self, req: Request) -> int:
@@ -125,8 +127,11 @@ class Scheduler:
         req.slot = self.free_slots.pop()
         req.admitted_at = self._admissions
         self._admissions += 1
+        req.admissions += 1
+        req.recount_upto = len(req.ids)
         start = 0
-        if self.radix is not None:
+        # A hit skips the prompt rows before it, which the repetition penalty would have to see: no hit then.
+        if self.radix is not None and req.params.repetition_penalty == 1.0:
             usable = (len(req.ids) - 1) // self.page_size * self.page_size  # always compute the last token
             m = self.radix.match_prefix(req.ids[:usable])
             if m.length > self.window:
@@ -134,6 +139,7 @@ class Scheduler:
                 req.radix_node, req.pages, req.shared_pages = m.node, list(m.pages), len(m.pages)
                 req.cached_tokens = min(m.length, len(req.prompt))
                 start = m.length - self.window
+        if self.radix is not None and req.admissions == 1:
             self.radix.record_request(len(req.prompt), req.cached_tokens)
         req.computed = start
         self.running.append(req)

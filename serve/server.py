@@ -121,8 +121,8 @@ class Server:
         return prompt
 
     def _admit(self, ids: list[int], params: SamplingParams) -> None:
-        if not self.ready:
-            raise ApiError(503, "the server is not ready or is shutting down")
+        if not self.ready or self.engine.error is not None:
+            raise ApiError(503, "the server is not ready, is shutting down, or its engine failed")
         limit = self.engine.config.max_len
         if len(ids) >= limit:
             raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length "
@@ -150,19 +150,22 @@ class Server:
         except GrammarError as e:
             raise ApiError(400, str(e), e.param) from None
 
-    async def _choices(self, ids: list[int], params: SamplingParams, thinking: bool = False
-                       ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
+    async def _prepare(self, ids: list[int], params: SamplingParams, thinking: bool = False) -> list:
+        """Everything that can reject a request, before any response bytes go out: one grammar per choice."""
         self._admit(ids, params)
         grammar = await self._grammar(params, thinking)
+        return [None if grammar is None else (grammar if i == 0 else grammar.copy()) for i in range(params.n)]
+
+    async def _choices(self, ids: list[int], params: SamplingParams, grammars: list
+                       ) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
         queue: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
 
         async def pump(i: int, p: SamplingParams):
             last = None
             try:
-                g = None if grammar is None else (grammar if i == 0 else grammar.copy())
-                async for delta in self.engine.stream(ids, p, g):
+                async for delta in self.engine.stream(ids, p, grammars[i]):
                     now = time.perf_counter()
                     if delta["output_ids"]:
                         (self.metrics.ttft.observe(now - start) if last is None
@@ -200,7 +203,7 @@ class Server:
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.ready else 503)
+        return web.Response(status=200 if self.ready and self.engine.error is None else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Exercise the engine loop: one 1-token request must produce output in time."""
@@ -233,11 +236,11 @@ class Server:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        choices = self._choices(ids, params)
+        choices = self._choices(ids, params, await self._prepare(ids, params))
         if stream:
             resp = await self._sse(request)
             usage = _Usage()
-            async for i, d in choices:
+            async for i, d in _guarded(resp, choices):
                 usage.add(d)
                 choice = {"index": i, "text": d["text"], "logprobs": _legacy_logprobs(self.engine, d, params),
                           "finish_reason": d["finish_reason"]}
@@ -285,6 +288,7 @@ class Server:
                 "chat.completion", "created": int(time.time()), "model": self.model_name}
         parsers = [OutputParser(thinking, tools_enabled=bool(tools) and tool_choice != "none")
                    for _ in range(params.n)]
+        grammars = await self._prepare(ids, params, thinking)
         usage = _Usage()
 
         def finish_reason(i: int, d: dict) -> str | None:
@@ -297,7 +301,7 @@ class Server:
             for i in range(params.n):
                 await _send(resp, {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                         "finish_reason": None}]})
-            async for i, d in self._choices(ids, params, thinking):
+            async for i, d in _guarded(resp, self._choices(ids, params, grammars)):
                 usage.add(d)
                 out = parsers[i].feed(self._strip_control(d["text"]))
                 if d["finish_reason"] is not None:
@@ -322,7 +326,7 @@ class Server:
         texts: dict[int, str] = {}
         final: dict[int, dict] = {}
         lps: dict[int, list] = {}
-        async for i, d in self._choices(ids, params, thinking):
+        async for i, d in self._choices(ids, params, grammars):
             usage.add(d)
             texts[i] = texts.get(i, "") + self._strip_control(d["text"])
             lps.setdefault(i, []).extend(_chat_logprobs(self.engine, d)["content"] if params.logprobs else [])
@@ -368,8 +372,9 @@ class Server:
         start = time.perf_counter()
         acc: dict[int, dict] = {}
         stream = _typed_bool(body, "stream")
+        choices = self._choices(ids, params, await self._prepare(ids, params))
         resp = await self._sse(request) if stream else None
-        async for i, d in self._choices(ids, params):
+        async for i, d in (choices if resp is None else _guarded(resp, choices)):
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "top": []})
             a["text"] += d["text"]
             a["output_ids"] += d["output_ids"]
@@ -377,7 +382,7 @@ class Server:
             a["top"] += d.get("top_logprobs", [])
             a["finish"], a["matched"], a["usage"] = d["finish_reason"], d["matched_stop"], d.get("usage")
             if resp is not None:
-                await _send(resp, self._native(rid, ids, a, params, start))
+                await _send(resp, {**self._native(rid, ids, a, params, start), "index": i})
         if resp is not None:
             await resp.write(b"data: [DONE]\n\n")
             return resp
@@ -481,6 +486,18 @@ def _typed_bool(body: dict, name: str) -> bool:
         return False
     require(isinstance(value, bool), f"'{name}' must be a boolean", name)
     return value
+
+
+async def _guarded(resp: web.StreamResponse, choices: AsyncIterator) -> AsyncIterator:
+    """After the 200 went out, an error becomes an SSE error event (then the caller's [DONE])."""
+    try:
+        async for item in choices:
+            yield item
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        err = e if isinstance(e, ApiError) else ApiError(500, f"internal error: {type(e).__name__}: {e}")
+        await _send(resp, {"error": err.body()["error"]})
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:

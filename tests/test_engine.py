@@ -95,11 +95,16 @@ def test_abort_frees_everything(tiny, prompts):
     assert not s.running and not s.waiting and len(s.pool.free) == s.pool.num_pages and len(s.free_slots) == 4
 
 
-def test_page_exhaustion_queues_and_retracts(tiny, prompts, reference):
-    # 5 pages of 16 tokens cannot hold the batch at once: requests wait or are retracted and recomputed.
-    engine = _engine(tiny, num_pages=5)
-    reqs = _staggered(engine, prompts)
-    assert [r.output for r in reqs] == reference
+@pytest.mark.parametrize("overlap", [True, False])
+def test_page_exhaustion_queues_and_retracts(tiny, prompts, overlap):
+    # 5 pages of 16 tokens cannot hold the batch at once: requests wait, or are retracted and recomputed.
+    params = {"max_new_tokens": 30, "temperature": 0.8, "seed": 5, "repetition_penalty": 1.3,
+              "frequency_penalty": 0.5, "ignore_eos": True}
+    roomy = _staggered(_engine(tiny, overlap=overlap), prompts[:3], params)
+    engine = _engine(tiny, num_pages=5, overlap=overlap)
+    tight = _staggered(engine, prompts[:3], params)
+    assert engine.scheduler.retractions > 0
+    assert [r.output for r in tight] == [r.output for r in roomy]  # penalties and seeds survive recomputation
     assert len(engine.scheduler.pool.free) == 5
 
 
@@ -108,8 +113,9 @@ def test_seeds_reproduce_across_batches(tiny, prompts):
     alone = _engine(tiny).generate([prompts[0]], params, decode_text=False)[0]["output_ids"]
     batched = _engine(tiny, overlap=False).generate(prompts[:3], params, decode_text=False)[0]["output_ids"]
     assert alone == batched
-    n2 = _engine(tiny).generate([prompts[0]], {**params, "seed": None, "n": 2}, decode_text=False)[0]
-    assert len(n2["choices"]) == 2 and n2["choices"][0]["output_ids"] != n2["choices"][1]["output_ids"]
+    for seed in (None, 99):
+        n2 = _engine(tiny).generate([prompts[0]], {**params, "seed": seed, "n": 2}, decode_text=False)[0]
+        assert len(n2["choices"]) == 2 and n2["choices"][0]["output_ids"] != n2["choices"][1]["output_ids"]
 
 
 def test_stop_conditions(tiny, prompts, reference):
@@ -197,3 +203,14 @@ def test_async_stream_and_disconnect(tiny, prompts, reference):
         time.sleep(0.05)
     engine.stop()
     assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+
+
+def test_stable_text_holds_back_partial_characters_and_stop_prefixes():
+    from serve.request import Request
+    from serve.sampling import SamplingParams
+
+    req = Request("r", [1], SamplingParams(stop=("Observation:",)), 0)
+    req.text = "Thought\nObservation"
+    assert req.stable_text == "Thought\n"
+    req.text = "abc\ufffd"
+    assert req.stable_text == "abc"

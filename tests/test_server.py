@@ -148,6 +148,13 @@ def test_bad_requests_get_openai_envelopes(live, engine, body, status, param):
     assert _idle(engine)
 
 
+def test_streaming_requests_are_validated_before_streaming(live, engine):
+    for body in ({"prompt": list(range(3, 600)), "stream": True}, {"prompt": "x", "stream": True, "regex": "(("}):
+        code, text, _ = live.request("/v1/completions", body)
+        assert code == 400 and json.loads(text)["error"]["code"] == 400
+    assert _idle(engine)
+
+
 def test_malformed_bodies(live):
     code, text, _ = live.request("/v1/completions", raw=b"{not json")
     assert code == 400 and "malformed JSON" in json.loads(text)["error"]["message"]
