@@ -325,3 +325,12 @@ def test_tool_call_round_trip(client, stream):
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Paris", "days": 3}
     assert all("DSML" not in (d.content or "") for d in deltas)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_logprobs_and_n(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0.9, seed=11, n=2, logprobs=True, top_logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 8
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
