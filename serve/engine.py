@@ -378,7 +378,8 @@ class Engine:
         finally:
             self._listeners.pop(rid, None)
             self.abort(rid)
-            self._requests.pop(rid, None)
+            with self._lock:
+                self._requests.pop(rid, None)
 
     def _notify(self, req: Request) -> None:
         """Hand a stream a snapshot of its request (called with the lock held)."""
