@@ -33,7 +33,7 @@ from model.forward import halo_rows
 from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
-from serve.sampling import SamplingArrays, SamplingParams
+from serve.sampling import SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 
 
@@ -258,9 +258,8 @@ class Engine:
                 k = len(sampled)
                 rows[k], slots[k] = row + c.n - 1, slot
                 p = req.params
-                if c.start + c.n - len(req.prompt) < p.min_new_tokens:  # outputs before this sample
-                    banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
-                    ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
+                banned = min_tokens_banned(p, c.start + c.n - len(req.prompt), self.eos_ids)  # by position
+                ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
                 allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
                 if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
                     ban[k] = ~allowed if (ban[k] | ~allowed).all() else ban[k] | ~allowed

@@ -202,20 +202,15 @@ class SamplingArrays(NamedTuple):
                       for k, v in cols.items()})
 
 
-def min_tokens_ban(params_list: Sequence[SamplingParams], num_generated: Sequence[int],
-                   eos_token_ids: Sequence[int], vocab_size: int, batch_size: int) -> np.ndarray | None:
-    """The ``ban`` mask for ``min_new_tokens``: ``[batch_size, vocab_size]`` bool, or None if nothing is banned.
+def min_tokens_banned(params: SamplingParams, num_generated: int, eos_token_ids: Sequence[int]) -> list[int]:
+    """Token ids a row may not sample yet because of ``min_new_tokens`` (for ``sample``'s ``ban``).
 
-    A row that has generated fewer than ``min_new_tokens`` may not sample its ``stop_token_ids`` nor (unless
-    ``ignore_eos``) an EOS id. Stop *strings* cannot be banned per token; the host must ignore their matches until
-    ``min_new_tokens`` is reached.
+    Below ``min_new_tokens`` a row may not sample its ``stop_token_ids`` nor (unless ``ignore_eos``) an EOS id.
+    Stop *strings* cannot be banned per token; the host ignores their matches until the minimum is reached.
     """
-    ban = np.zeros((batch_size, vocab_size), bool)
-    for i, (p, done) in enumerate(zip(params_list, num_generated)):
-        if done < p.min_new_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            ban[i, [t for t in ids if t < vocab_size]] = True
-    return ban if ban.any() else None
+    if num_generated >= params.min_new_tokens:
+        return []
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
 
 
 class SampleOutput(NamedTuple):

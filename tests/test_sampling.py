@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serve.sampling import (InvalidSamplingParam, SamplingArrays, SamplingParams, apply_penalties, min_tokens_ban,
+from serve.sampling import (InvalidSamplingParam, SamplingArrays, SamplingParams, apply_penalties, min_tokens_banned,
                             request_seed, sample, truncation_mask)
 
 P4 = np.array([0.5, 0.25, 0.15, 0.1])  # a tiny vocabulary with a known distribution
@@ -102,14 +102,11 @@ def test_request_seed_is_stable_across_processes():
     assert request_seed("abc") == int.from_bytes(hashlib.blake2b(b"abc", digest_size=4).digest(), "little")
 
 
-def test_min_tokens_ban():
-    ps = [SamplingParams(min_new_tokens=2, stop_token_ids=(5,)), SamplingParams(min_new_tokens=2, ignore_eos=True,
-                                                                                  stop_token_ids=(6,))]
-    ban = min_tokens_ban(ps, [1, 0], eos_token_ids=[1], vocab_size=8, batch_size=3)
-    assert ban is not None and ban.shape == (3, 8)
-    assert np.flatnonzero(ban[0]).tolist() == [1, 5] and np.flatnonzero(ban[1]).tolist() == [6]
-    assert not ban[2].any()
-    assert min_tokens_ban(ps, [2, 2], [1], 8, 2) is None
+def test_min_tokens_banned():
+    p = SamplingParams(min_new_tokens=2, stop_token_ids=(5,))
+    assert min_tokens_banned(p, 1, [1]) == [5, 1] and min_tokens_banned(p, 2, [1]) == []
+    q = SamplingParams(min_new_tokens=2, ignore_eos=True, stop_token_ids=(6,))
+    assert min_tokens_banned(q, 0, [1]) == [6]
 
 
 # ---------------------------------------------------------------- penalties
