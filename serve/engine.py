@@ -257,8 +257,7 @@ class Engine:
             if c.samples:
                 k = len(sampled)
                 rows[k], slots[k] = row + c.n - 1, slot
-                p = req.params
-                banned = min_tokens_banned(p, c.start + c.n - len(req.prompt), self.eos_ids)  # by position
+                banned = min_tokens_banned(req.params, c.start + c.n - len(req.prompt), self.eos_ids)  # by position
                 ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
                 allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
                 if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
