@@ -30,6 +30,7 @@ class Request:
     grammar: Any = None  # serve.grammar.Grammar: structured-output constraint
     recount_upto: int = 0  # outputs below this position are recomputed after a retraction: recount them
     admissions: int = 0
+    stop_from: int | None = None  # stop strings count only from here (text produced after min_new_tokens)
 
     @property
     def ids(self) -> list[int]:
@@ -67,9 +68,12 @@ class Request:
         if decode is not None:
             hidden = self.finish_reason == "stop"  # a stop token is not part of the text
             self.text = decode(self.output[:-1] if hidden else self.output)
-            if enough and self.finish_reason is None:
+            if enough and self.finish_reason is None and p.stop:
+                if self.stop_from is None:
+                    before = decode(self.output[:p.min_new_tokens]) if p.min_new_tokens else ""
+                    self.stop_from = max(0, len(before) - max(map(len, p.stop)) + 1)
                 for s in p.stop:
-                    at = self.text.find(s)
+                    at = self.text.find(s, self.stop_from)
                     if at >= 0:
                         self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", s
                         break

@@ -214,3 +214,17 @@ def test_stable_text_holds_back_partial_characters_and_stop_prefixes():
     assert req.stable_text == "Thought\n"
     req.text = "abc\ufffd"
     assert req.stable_text == "abc"
+
+
+def test_stop_strings_before_min_new_tokens_do_not_count():
+    from serve.request import Request
+    from serve.sampling import SamplingParams
+
+    req = Request("r", [1], SamplingParams(stop=("ab",), min_new_tokens=2, max_new_tokens=10), 0)
+    words = {1: "ab", 2: "cd", 3: "ab"}
+    for tok in (1, 2, 3):
+        req.output.append(tok)
+        req.check_stop(tok, (), lambda ids: "".join(words[i] for i in ids))
+        if req.finished:
+            break
+    assert req.output == [1, 2, 3] and req.finish_reason == "stop" and req.text == "abcd"
