@@ -30,14 +30,13 @@ def require(cond: bool, message: str, param: str | None = None) -> None:
         raise ApiError(400, message, param)
 
 
-def _typed(body: dict, name: str, kinds, default=None):
-    value = body.get(name, default)
+def typed(body: dict, name: str, kind: type, default=None):
+    """``body[name]`` if it has type ``kind`` (a bool is not an int here), ``default`` if absent or null."""
+    value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ApiError(400, f"'{name}' has the wrong type", name)
-    if not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' has the wrong type", name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ApiError(400, f"'{name}' must be of type {kind.__name__}", name)
     return value
 
 
@@ -60,7 +59,7 @@ def openai_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):
         params["logprobs"] = logprobs
-        params["top_logprobs"] = _typed(body, "top_logprobs", int, 0)
+        params["top_logprobs"] = typed(body, "top_logprobs", int, 0)
     elif logprobs is not None:  # completions: logprobs is the number of alternatives
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
             raise ApiError(400, "'logprobs' has the wrong type", "logprobs")

@@ -8,6 +8,7 @@ OpenAI envelope with the right status (serve/protocol.py); the server keeps serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -22,7 +23,7 @@ from serve.engine import Engine
 from serve.grammar import Grammar, GrammarError, has_grammar
 from serve.metrics import Metrics
 from serve.parsers import OutputDelta, OutputParser
-from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params
+from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params, typed
 from serve.sampling import SamplingParams
 
 HEALTH_TIMEOUT_S = 20.0
@@ -179,7 +180,7 @@ class Server:
             finally:
                 await queue.put((i, None))
 
-        subs = [_replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        subs = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                 for i in range(params.n)]
         tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(subs)]
         try:
@@ -232,7 +233,7 @@ class Server:
             prompt = prompt[0]  # a batch of one
         ids = self._tokens(prompt, "prompt")
         params = openai_sampling(body, self.default_max_tokens)
-        stream = _typed_bool(body, "stream")
+        stream = typed(body, "stream", bool, False)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
@@ -282,7 +283,7 @@ class Server:
             raise ApiError(400, str(e), "messages") from None
         ids = self.engine.encode(text)
         params = openai_sampling(body, self.default_max_tokens)
-        stream = _typed_bool(body, "stream")
+        stream = typed(body, "stream", bool, False)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if stream else
                 "chat.completion", "created": int(time.time()), "model": self.model_name}
@@ -371,7 +372,7 @@ class Server:
         rid = str(body.get("rid") or uuid.uuid4().hex)
         start = time.perf_counter()
         acc: dict[int, dict] = {}
-        stream = _typed_bool(body, "stream")
+        stream = typed(body, "stream", bool, False)
         choices = self._choices(ids, params, await self._prepare(ids, params))
         resp = await self._sse(request) if stream else None
         async for i, d in (choices if resp is None else _guarded(resp, choices)):
@@ -472,20 +473,6 @@ class _Usage:
         else:
             self.total["completion_tokens"] += u["completion_tokens"]
             self.total["total_tokens"] += u["completion_tokens"]
-
-
-def _replace(params: SamplingParams, **kw) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **kw)
-
-
-def _typed_bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    require(isinstance(value, bool), f"'{name}' must be a boolean", name)
-    return value
 
 
 async def _guarded(resp: web.StreamResponse, choices: AsyncIterator) -> AsyncIterator:
