@@ -8,7 +8,13 @@ GEMMs with ``lax.ragged_dot``, which is the dispatch shape the Pallas kernel kee
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
-weight multiplies the activation before the down projection.
+weight scales each expert's output in the combine (the same value as scaling its SwiGLU
+activation, which is linear in the down projection), so one combine serves both paths.
+
+On GPU (``mega.backend``) the expert stage runs the Pallas grouped kernels of
+``pallas_kernels.grouped_gemm`` over block-aligned rows; routing, the sort and the combine
+are XLA fusions around them (small next to the weight stream at decode sizes, and one
+read of the rows at prefill sizes).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from mega import backend
 from mega.primitives import HIGHEST, linear
 
 
@@ -57,24 +64,68 @@ def shared_expert(x: jnp.ndarray, p: dict, limit: float) -> jnp.ndarray:
     return linear(h.astype(x.dtype), p["w2"])
 
 
-def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
-    t, d = x.shape
-    n_experts = p["w1"].shape[0]
-    weights, ids = route(x, p, spec, image_mask)
-    flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token = order // spec.top_k
-    group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    xs = x[token]
+def aligned_layout(group_sizes: jnp.ndarray, n: int, block_m: int, n_experts: int):
+    """Rows grouped by expert → block-aligned rows (each expert starts at a multiple of block_m).
 
+    Returns ``(dest [n], block_expert [m_pad // block_m], m_pad)``: the aligned row of each
+    grouped row, the expert of each row block (``-1`` past the end) and the static row
+    count, bounded by the at most ``min(E, n)`` non-empty experts each wasting < block_m rows.
+    """
+    m_pad = -(-(n + min(n_experts, n) * (block_m - 1)) // block_m) * block_m
+    padded = (group_sizes + block_m - 1) // block_m * block_m
+    start, end = jnp.cumsum(group_sizes) - group_sizes, jnp.cumsum(padded)
+    expert = jnp.repeat(jnp.arange(n_experts), group_sizes, total_repeat_length=n)
+    dest = (end - padded)[expert] + jnp.arange(n) - start[expert]
+    block_start = jnp.arange(m_pad // block_m) * block_m
+    block_expert = jnp.where(block_start < end[-1],
+                             jnp.searchsorted(end, block_start, side="right"), -1)
+    return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
+
+
+def _kernel_config(x: jnp.ndarray, d: int, inter: int):
+    """The Pallas block config for these shapes, or None when the reference must run."""
+    from pallas_kernels.grouped_gemm import GemmConfig
+    cfg = GemmConfig()
+    ok = (backend.mode() in ("pallas", "interpret") and x.dtype == jnp.bfloat16
+          and d % cfg.block_n == 0 and inter % cfg.block_n == 0 and d % cfg.block_k == 0
+          and inter % cfg.block_k == 0)
+    return cfg if ok else None
+
+
+def _experts_pallas(xs, w1, w3, w2, group_sizes, limit, cfg):
+    """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels."""
+    from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
+    n, d = xs.shape
+    dest, block_expert, m_pad = aligned_layout(group_sizes, n, cfg.block_m, w1.shape[0])
+    x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
+    interp = backend.interpret_params()
+    h = grouped_swiglu(x_al, w1, w3, block_expert, limit=limit, cfg=cfg, interpret=interp)
+    return grouped_matmul(h, w2, block_expert, cfg=cfg, interpret=interp)[dest]
+
+
+def _experts_reference(xs, w1, w3, w2, group_sizes, limit):
     def grouped(lhs, w):  # w: [E, out, in]
         return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
                                   preferred_element_type=jnp.float32)
+    h = swiglu(grouped(xs, w1), grouped(xs, w3), limit)
+    return grouped(h.astype(xs.dtype), w2)
 
-    h = swiglu(grouped(xs, p["w1"]), grouped(xs, p["w3"]), spec.swiglu_limit)
-    h = h * weights.reshape(-1)[order][:, None]
-    out = grouped(h.astype(x.dtype), p["w2"])
-    y = jnp.zeros((t, d), jnp.float32).at[token].add(out)
+
+def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
+    t, d = x.shape
+    n_experts, inter = p["w1"].shape[:2]
+    weights, ids = route(x, p, spec, image_mask)
+    order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
+    group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
+    xs = x[order // spec.top_k]
+    cfg = _kernel_config(x, d, inter)
+    if cfg is not None:
+        out = _experts_pallas(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit, cfg)
+    else:
+        out = _experts_reference(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
+    # combine: each token gathers its k expert rows and sums them with the routing weights
+    rows = out[jnp.argsort(order)].reshape(t, spec.top_k, d).astype(jnp.float32)
+    y = jnp.einsum("tk,tkd->td", weights, rows, precision=HIGHEST)
     if "shared" in p:
         y = y + shared_expert(x, p["shared"], spec.swiglu_limit)
     return y.astype(x.dtype)

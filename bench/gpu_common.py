@@ -1,0 +1,121 @@
+"""Shared pieces of the GPU benchmarks: run metadata, ceilings, timing, error, JSON output.
+
+Timing method, the same for JAX and PyTorch: enqueue ``inner`` calls back to back, wait for
+the device once, divide; repeat ``reps`` times and take the median. Back-to-back calls hide
+the host's dispatch behind the device's work, as a serving loop does, and neither side pays a
+per-call synchronisation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+try:
+    import torch
+except ImportError:  # the CPU smoke run has no torch
+    torch = None
+
+
+def commit() -> str:
+    if os.environ.get("MEGAJAX_COMMIT"):
+        return os.environ["MEGAJAX_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_info() -> dict:
+    dev = jax.devices()[0]
+    return {"commit": commit(), "device": getattr(dev, "device_kind", dev.platform),
+            "jax_version": jax.__version__,
+            "torch_version": getattr(torch, "__version__", None)}
+
+
+def time_jax(fn, *args, inner: int = 10, reps: int = 7) -> float:
+    """Median milliseconds per call of a jitted ``fn``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(times)
+
+
+def time_torch(fn, inner: int = 10, reps: int = 7) -> float:
+    """Median milliseconds per call, by CUDA events around ``inner`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def ceilings(smoke: bool = False) -> dict:
+    """Measured HBM bandwidth (copy: bytes read + written) and bf16 matmul rate."""
+    out = {}
+    n = 1 << (20 if smoke else 30)  # 1 Gi bf16 elements: 2 GiB, far beyond L2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    out["jax_copy_GBps"] = 2 * 2 * n / time_jax(copy, x, inner=5, reps=5) / 1e6
+    del x
+    s = 256 if smoke else 8192
+    a = jax.random.normal(jax.random.key(1), (s, s), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (s, s), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: p @ q)
+    out["jax_matmul_TFLOPs"] = 2 * s ** 3 / time_jax(mm, a, b, inner=5, reps=5) / 1e9
+    del a, b
+    if torch is not None and torch.cuda.is_available():
+        src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        out["torch_copy_GBps"] = 2 * 2 * n / time_torch(lambda: dst.copy_(src), 5, 5) / 1e6
+        del src, dst
+        p = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+        out["torch_matmul_TFLOPs"] = 2 * s ** 3 / time_torch(lambda: p @ q, 5, 5) / 1e9
+    out["bandwidth_GBps"] = max(v for k, v in out.items() if k.endswith("GBps"))
+    out["matmul_TFLOPs"] = max(v for k, v in out.items() if k.endswith("TFLOPs"))
+    return out
+
+
+def roofline_ms(flops: float, nbytes: float, ceil: dict) -> float:
+    return max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes / ceil["bandwidth_GBps"] / 1e6)
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def write(name: str, payload: dict) -> Path:
+    out_dir = Path(os.environ.get("OUT", ROOT / "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path

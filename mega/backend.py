@@ -1,0 +1,32 @@
+"""Which implementation a mega operator runs: the Pallas kernel or the pure-jnp reference.
+
+``MEGAJAX_KERNELS`` chooses: ``auto`` (default: kernels on GPU, references elsewhere),
+``pallas`` (kernels wherever lowering is possible), ``reference``, or ``interpret`` (the
+kernels through the Mosaic GPU interpreter on CPU: slow, for tests). Kernels also need
+bf16 activations and tile-divisible shapes; each operator falls back to its reference
+otherwise, so tiny fp32 test models keep the exact reference numerics.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+MODES = ("auto", "pallas", "reference", "interpret")
+
+
+def mode() -> str:
+    m = os.environ.get("MEGAJAX_KERNELS", "auto")
+    if m not in MODES:
+        raise ValueError(f"MEGAJAX_KERNELS={m!r}; expected one of {MODES}")
+    if m == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return m
+
+
+def interpret_params():
+    """``interpret=`` argument for Mosaic GPU kernels: interpreter params or ``None``."""
+    if mode() != "interpret":
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()

@@ -1,0 +1,145 @@
+"""Grouped (per-expert) GEMMs for MegaMoE as Mosaic GPU kernels for Hopper, with jnp references.
+
+Two kernels share one body:
+
+* ``grouped_swiglu(x, w1, w3)``: the gate and up projections of each expert and the
+  clamped SwiGLU, fused. Each CTA streams the matching gate and up weight tiles through one
+  TMA pipeline into two wgmma accumulators and applies the SwiGLU on the registers, so the
+  ``[rows, 2I]`` fp32 pre-activation never reaches HBM: only the bf16 ``h`` does.
+* ``grouped_matmul(h, w2)``: the down projection.
+
+Layout: rows arrive grouped by expert and **block-aligned** (every expert's rows start at a
+multiple of ``block_m``, as SGLang's ``moe_align_block_size`` does), so a row block belongs
+to exactly one expert, read from ``block_expert`` (``-1``: unused block, skipped). Stores are
+whole-tile TMA copies; padding rows hold garbage that the combine never reads. Weights keep
+the HF ``[E, out, in]`` layout (the tile is transposed in shared memory for the wgmma), so
+checkpoints need no re-layout.
+
+Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
+the gate/up CTAs produce across the N grid; a single persistent kernel would need a
+grid-wide dependency per row block. At decode sizes the cost is one extra launch, at
+prefill sizes ``h`` is ``I/D`` = 45% of the activations, read once.
+
+Grid: one CTA per (row block, column block), row blocks fastest, so CTAs that run together
+share a weight tile in L2 at prefill sizes and cover every weight once at decode sizes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+
+
+def _transposed(ref):
+    """The ``[n, k]`` weight tile viewed as ``[k, n]`` (the API moved in JAX 0.11)."""
+    if hasattr(plgpu, "transpose_ref") and jax.__version_info__ < (0, 11):
+        return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
+
+
+def swiglu_f32(gate, up, limit: float):
+    """Clamped SwiGLU in fp32; written with ops the Mosaic GPU lowering supports."""
+    if limit > 0:
+        gate, up = jnp.minimum(gate, limit), jnp.minimum(jnp.maximum(up, -limit), limit)
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmConfig,
+                    interpret):
+    m, k = lhs.shape
+    n = weights[0].shape[1]
+    # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
+    # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
+    kn = interpret is not None
+    if kn:
+        weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if m % bm or n % bn or k % bk:
+        raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({bm}, {bn}, {bk})")
+    if block_expert.shape != (m // bm,):
+        raise ValueError(f"block_expert must have shape ({m // bm},), got {block_expert.shape}")
+
+    def body(block_expert_gmem, lhs_gmem, *refs):
+        w_gmem, out_gmem = refs[:-1], refs[-1]
+        mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+        expert = block_expert_gmem[mi]
+
+        @pl.when(expert >= 0)
+        def _():
+            def acc_scope(*accs):
+                def step(_, x_smem, *w_smem):
+                    for acc, w in zip(accs, w_smem):
+                        plgpu.wgmma(acc, x_smem, w if kn else _transposed(w))
+
+                plgpu.emit_pipeline(
+                    step, grid=(k // bk,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda s: (mi, s), delay_release=1)]
+                    + [plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=1) if kn else
+                       plgpu.BlockSpec((bn, bk), lambda s: (ni, s), delay_release=1)] * len(w_gmem),
+                    max_concurrent_steps=cfg.stages,
+                )(lhs_gmem, *(w.at[expert] for w in w_gmem))
+                return epilogue(*(a[...] for a in accs))
+
+            out = pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * len(w_gmem))
+
+            def store(o_smem):
+                o_smem[...] = out.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.run_scoped(store, plgpu.SMEM((bm, bn), lhs.dtype))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // bm, n // bn),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": interpret} if interpret is not None else {}))
+    return kernel(block_expert, lhs, *weights)
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
+def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, cfg: GemmConfig = GemmConfig(),
+                   interpret=None):
+    """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // block_m]``.
+
+    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]``; returns ``[M, I]`` in x's dtype.
+    """
+    return _grouped_kernel(x, (w1, w3), block_expert,
+                           lambda g, u: swiglu_f32(g, u, limit), cfg, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def grouped_matmul(h, w2, block_expert, *, cfg: GemmConfig = GemmConfig(), interpret=None):
+    """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // block_m]``; w2 ``[E, D, I]``."""
+    return _grouped_kernel(h, (w2,), block_expert, lambda acc: acc, cfg, interpret)
+
+
+def _per_row_weights(w, block_expert, block_m):
+    return w[jnp.maximum(jnp.repeat(block_expert, block_m), 0)]
+
+
+def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, block_m: int):
+    w1r, w3r = (_per_row_weights(w, block_expert, block_m) for w in (w1, w3))
+    f32 = jnp.float32
+    gate = jnp.einsum("md,mid->mi", x.astype(f32), w1r.astype(f32))
+    up = jnp.einsum("md,mid->mi", x.astype(f32), w3r.astype(f32))
+    return swiglu_f32(gate, up, limit).astype(x.dtype)
+
+
+def grouped_matmul_reference(h, w2, block_expert, *, block_m: int):
+    w2r = _per_row_weights(w2, block_expert, block_m)
+    return jnp.einsum("mi,mdi->md", h.astype(jnp.float32), w2r.astype(jnp.float32)).astype(h.dtype)
