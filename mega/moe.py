@@ -64,19 +64,19 @@ def shared_expert(x: jnp.ndarray, p: dict, limit: float) -> jnp.ndarray:
     return linear(h.astype(x.dtype), p["w2"])
 
 
-def aligned_layout(group_sizes: jnp.ndarray, n: int, block_m: int, n_experts: int):
-    """Rows grouped by expert → block-aligned rows (each expert starts at a multiple of block_m).
+def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts: int):
+    """Rows grouped by expert → block-aligned rows (each expert starts at a multiple of block_rows).
 
-    Returns ``(dest [n], block_expert [m_pad // block_m], m_pad)``: the aligned row of each
+    Returns ``(dest [n], block_expert [m_pad // block_rows], m_pad)``: the aligned row of each
     grouped row, the expert of each row block (``-1`` past the end) and the static row
-    count, bounded by the at most ``min(E, n)`` non-empty experts each wasting < block_m rows.
+    count, bounded by the at most ``min(E, n)`` non-empty experts each wasting < block_rows rows.
     """
-    m_pad = -(-(n + min(n_experts, n) * (block_m - 1)) // block_m) * block_m
-    padded = (group_sizes + block_m - 1) // block_m * block_m
+    m_pad = -(-(n + min(n_experts, n) * (block_rows - 1)) // block_rows) * block_rows
+    padded = (group_sizes + block_rows - 1) // block_rows * block_rows
     start, end = jnp.cumsum(group_sizes) - group_sizes, jnp.cumsum(padded)
     expert = jnp.repeat(jnp.arange(n_experts), group_sizes, total_repeat_length=n)
     dest = (end - padded)[expert] + jnp.arange(n) - start[expert]
-    block_start = jnp.arange(m_pad // block_m) * block_m
+    block_start = jnp.arange(m_pad // block_rows) * block_rows
     block_expert = jnp.where(block_start < end[-1],
                              jnp.searchsorted(end, block_start, side="right"), -1)
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
@@ -96,7 +96,7 @@ def _experts_pallas(xs, w1, w3, w2, group_sizes, limit, cfg):
     """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels."""
     from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
     n, d = xs.shape
-    dest, block_expert, m_pad = aligned_layout(group_sizes, n, cfg.block_m, w1.shape[0])
+    dest, block_expert, m_pad = aligned_layout(group_sizes, n, cfg.rows, w1.shape[0])
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
     interp = backend.interpret_params()
     h = grouped_swiglu(x_al, w1, w3, block_expert, limit=limit, cfg=cfg, interpret=interp)

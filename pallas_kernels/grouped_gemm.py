@@ -9,7 +9,7 @@ Two kernels share one body:
 * ``grouped_matmul(h, w2)``: the down projection.
 
 Layout: rows arrive grouped by expert and **block-aligned** (every expert's rows start at a
-multiple of ``block_m``, as SGLang's ``moe_align_block_size`` does), so a row block belongs
+multiple of the CTA's rows, as SGLang's ``moe_align_block_size`` does), so a row block belongs
 to exactly one expert, read from ``block_expert`` (``-1``: unused block, skipped). Stores are
 whole-tile TMA copies; padding rows hold garbage that the combine never reads. Weights keep
 the HF ``[E, out, in]`` layout (the tile is transposed in shared memory for the wgmma), so
@@ -37,10 +37,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 @dataclass(frozen=True)
 class GemmConfig:
+    """Tiles per compute warpgroup; ``compute_wgs=2`` adds a TMA producer warpgroup and two
+    wgmma consumers that share each weight tile over ``2 * block_m`` rows (warp specialised)."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
+    compute_wgs: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows per CTA: the block alignment the layout must use."""
+        return self.block_m * self.compute_wgs
 
 
 def _transposed(ref):
@@ -66,46 +74,85 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
     kn = interpret is not None
     if kn:
         weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights)
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if m % bm or n % bn or k % bk:
-        raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({bm}, {bn}, {bk})")
-    if block_expert.shape != (m // bm,):
-        raise ValueError(f"block_expert must have shape ({m // bm},), got {block_expert.shape}")
+    rows, bm, bn, bk = cfg.rows, cfg.block_m, cfg.block_n, cfg.block_k
+    if m % rows or n % bn or k % bk:
+        raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({rows}, {bn}, {bk})")
+    if block_expert.shape != (m // rows,):
+        raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
+    acc_shapes = [plgpu.ACC((bm, bn))] * len(weights)
 
-    def body(block_expert_gmem, lhs_gmem, *refs):
+    def in_specs(mi, ni, delay_release):
+        w_spec = (plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=delay_release) if kn
+                  else plgpu.BlockSpec((bn, bk), lambda s: (ni, s), delay_release=delay_release))
+        return [plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release)] + [
+            w_spec] * len(weights)
+
+    def mma(accs, x_smem, w_smem):
+        for acc, w in zip(accs, w_smem):
+            plgpu.wgmma(acc, x_smem, w if kn else _transposed(w))
+
+    def store(accs, o_smem, o_gmem):
+        o_smem[...] = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def simple_body(block_expert_gmem, lhs_gmem, *refs):
         w_gmem, out_gmem = refs[:-1], refs[-1]
         mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
         expert = block_expert_gmem[mi]
 
         @pl.when(expert >= 0)
         def _():
-            def acc_scope(*accs):
-                def step(_, x_smem, *w_smem):
-                    for acc, w in zip(accs, w_smem):
-                        plgpu.wgmma(acc, x_smem, w if kn else _transposed(w))
+            def scope(*accs):
+                # delay_release=1: a slot is refilled only after the next step's wgmma is issued
+                plgpu.emit_pipeline(lambda _, x, *w: mma(accs, x, w), grid=(k // bk,),
+                                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages,
+                                    )(lhs_gmem, *(w.at[expert] for w in w_gmem))
+                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
+                    pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]), plgpu.SMEM((bm, bn), lhs.dtype))
+            pl.run_scoped(scope, *acc_shapes)
 
-                plgpu.emit_pipeline(
-                    step, grid=(k // bk,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda s: (mi, s), delay_release=1)]
-                    + [plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=1) if kn else
-                       plgpu.BlockSpec((bn, bk), lambda s: (ni, s), delay_release=1)] * len(w_gmem),
-                    max_concurrent_steps=cfg.stages,
-                )(lhs_gmem, *(w.at[expert] for w in w_gmem))
-                return epilogue(*(a[...] for a in accs))
+    def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
+        w_gmem, out_gmem = refs[:-1], refs[-1]
+        mi, ni, wg = (jax.lax.axis_index(a) for a in ("m", "n", "wg"))
+        expert = block_expert_gmem[mi]
+        operands = (lhs_gmem, *(w.at[expert] for w in w_gmem))
 
-            out = pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn))] * len(w_gmem))
+        def pipeline(step, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(k // bk,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
+                wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
+                compute_context=context)
 
-            def store(o_smem):
-                o_smem[...] = out.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        def step(_, x_smem, *rest):
+            *w_smem, accs = rest
+            mma(accs, x_smem.at[pl.ds(wg * bm, bm)], w_smem)
+            plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
+            return accs
 
-            pl.run_scoped(store, plgpu.SMEM((bm, bn), lhs.dtype))
+        unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
 
+        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*operands),
+                           o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bn), lhs.dtype),
+                           collective_axes="wg")
+        def _(allocs, o_smem):
+            def context(run):
+                def scope(*accs):
+                    run(accs)
+                    store(accs, o_smem.at[wg],
+                          out_gmem.at[pl.ds(mi * rows + wg * bm, bm), pl.ds(ni * bn, bn)])
+                pl.run_scoped(scope, *acc_shapes)
+
+            @pl.when(expert >= 0)
+            def _():
+                pipeline(step, context)(*operands, allocations=allocs)
+
+    ws = cfg.compute_wgs > 1
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // bm, n // bn),
-        grid_names=("m", "n"),
+        warp_specialized_body if ws else simple_body,
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // rows, n // bn),
+        grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
     return kernel(block_expert, lhs, *weights)
@@ -114,7 +161,7 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
 def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, cfg: GemmConfig = GemmConfig(),
                    interpret=None):
-    """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // block_m]``.
+    """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // cfg.rows]``.
 
     x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]``; returns ``[M, I]`` in x's dtype.
     """
@@ -124,22 +171,22 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, cfg: GemmConfig = G
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def grouped_matmul(h, w2, block_expert, *, cfg: GemmConfig = GemmConfig(), interpret=None):
-    """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // block_m]``; w2 ``[E, D, I]``."""
+    """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // cfg.rows]``; w2 ``[E, D, I]``."""
     return _grouped_kernel(h, (w2,), block_expert, lambda acc: acc, cfg, interpret)
 
 
-def _per_row_weights(w, block_expert, block_m):
-    return w[jnp.maximum(jnp.repeat(block_expert, block_m), 0)]
+def _per_row_weights(w, block_expert, rows):
+    return w[jnp.maximum(jnp.repeat(block_expert, rows), 0)]
 
 
-def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, block_m: int):
-    w1r, w3r = (_per_row_weights(w, block_expert, block_m) for w in (w1, w3))
+def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, rows: int):
+    w1r, w3r = (_per_row_weights(w, block_expert, rows) for w in (w1, w3))
     f32 = jnp.float32
     gate = jnp.einsum("md,mid->mi", x.astype(f32), w1r.astype(f32))
     up = jnp.einsum("md,mid->mi", x.astype(f32), w3r.astype(f32))
     return swiglu_f32(gate, up, limit).astype(x.dtype)
 
 
-def grouped_matmul_reference(h, w2, block_expert, *, block_m: int):
-    w2r = _per_row_weights(w2, block_expert, block_m)
+def grouped_matmul_reference(h, w2, block_expert, *, rows: int):
+    w2r = _per_row_weights(w2, block_expert, rows)
     return jnp.einsum("mi,mdi->md", h.astype(jnp.float32), w2r.astype(jnp.float32)).astype(h.dtype)
