@@ -46,7 +46,7 @@ def run_info() -> dict:
             "torch_version": getattr(torch, "__version__", None)}
 
 
-def time_jax(fn, *args, inner: int = 10, reps: int = 7) -> float:
+def time_jax(fn, *args, inner: int = 10, reps: int = 5) -> float:
     """Median milliseconds per call of a jitted ``fn``."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -59,7 +59,7 @@ def time_jax(fn, *args, inner: int = 10, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_torch(fn, inner: int = 10, reps: int = 7) -> float:
+def time_torch(fn, inner: int = 10, reps: int = 5) -> float:
     """Median milliseconds per call, by CUDA events around ``inner`` back-to-back calls."""
     fn()
     torch.cuda.synchronize()

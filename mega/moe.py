@@ -82,25 +82,34 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
 
 
-def _kernel_config(x: jnp.ndarray, d: int, inter: int):
-    """The Pallas block config for these shapes, or None when the reference must run."""
+def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int):
+    """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
+
+    From ``bench/moe_gpu.py`` on the H200: at decode sizes one warpgroup per 64-row tile
+    streams the weights best; from about 256 rows per expert two wgmma warpgroups fed by a
+    TMA warpgroup win.
+    """
     from pallas_kernels.grouped_gemm import GemmConfig
-    cfg = GemmConfig()
-    ok = (backend.mode() in ("pallas", "interpret") and x.dtype == jnp.bfloat16
-          and d % cfg.block_n == 0 and inter % cfg.block_n == 0 and d % cfg.block_k == 0
-          and inter % cfg.block_k == 0)
-    return cfg if ok else None
+    if n_rows >= 256 * n_experts:
+        cfgs = GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2)
+    else:
+        cfgs = GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)
+    fits = all(n % c.block_n == 0 and kk % c.block_k == 0
+               for c, n, kk in ((cfgs[0], inter, d), (cfgs[1], d, inter)))
+    use = backend.mode() in ("pallas", "interpret") and x.dtype == jnp.bfloat16 and fits
+    return cfgs if use else None
 
 
-def _experts_pallas(xs, w1, w3, w2, group_sizes, limit, cfg):
+def _experts_pallas(xs, w1, w3, w2, group_sizes, limit, cfgs):
     """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels."""
     from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
     n, d = xs.shape
-    dest, block_expert, m_pad = aligned_layout(group_sizes, n, cfg.rows, w1.shape[0])
+    up_cfg, down_cfg = cfgs
+    dest, block_expert, m_pad = aligned_layout(group_sizes, n, up_cfg.rows, w1.shape[0])
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
     interp = backend.interpret_params()
-    h = grouped_swiglu(x_al, w1, w3, block_expert, limit=limit, cfg=cfg, interpret=interp)
-    return grouped_matmul(h, w2, block_expert, cfg=cfg, interpret=interp)[dest]
+    h = grouped_swiglu(x_al, w1, w3, block_expert, limit=limit, cfg=up_cfg, interpret=interp)
+    return grouped_matmul(h, w2, block_expert, cfg=down_cfg, interpret=interp)[dest]
 
 
 def _experts_reference(xs, w1, w3, w2, group_sizes, limit):
@@ -118,9 +127,9 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     xs = x[order // spec.top_k]
-    cfg = _kernel_config(x, d, inter)
-    if cfg is not None:
-        out = _experts_pallas(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit, cfg)
+    cfgs = _kernel_configs(x, xs.shape[0], n_experts, d, inter)
+    if cfgs is not None:
+        out = _experts_pallas(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit, cfgs)
     else:
         out = _experts_reference(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
     # combine: each token gathers its k expert rows and sums them with the routing weights
