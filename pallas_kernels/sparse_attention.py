@@ -33,8 +33,13 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
   they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
 
-Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 64 KB (reused for the output
-tile) + staging 64 KB + tiled K/V 2 x 32 KB + logit exchange 2 x 16 KB = 224 KB. Staging is
+Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
+reused for its output tile) + staging 65 KB (rows padded by 16 B against bank conflicts) +
+tiled K/V 2 x 32 KB + logit exchange 2 x 16 KB (swizzled) + 1 KB for the chunk's row ids and
+the sink = 227 KB, 1 KB under the limit (every allocation is rounded up to 1 KB, hence the
+sink sharing the ids buffer). The producer copies each chunk's 64 row ids into shared memory
+first and reads them from there (a scalar global load per row would serialise 64 DRAM
+latencies), and the compute warpgroups take the -1 mask from the same buffer. Staging is
 single-buffered, but it is released as soon as both warpgroups have pulled it into registers,
 so the next chunk's row copies overlap the current chunk's QK^T / softmax / PV (staging and
 the tiled buffer act as a 2-deep pipeline). Registers per compute thread: acc 128 (fp32
@@ -150,7 +155,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
         t, hg = lax.axis_index("t"), lax.axis_index("hg")
         heads = pl.ds(hg * HEADS, HEADS)
 
-        def scoped(q_smem, stage, kt, xch, small, q_bar, full_bar, free_bar, sync_bar):
+        def scoped(q_smem, stage, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar):
             wg = lax.axis_index("wg")
 
             def sync():  # both compute warpgroups meet here
@@ -179,11 +184,14 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                             plgpu.barrier_wait(free_bar)
 
                         chunk_ids = pl.ds(c * BLOCK_KV, BLOCK_KV)
-                        plgpu.copy_gmem_to_smem(idx_ref.at[t, chunk_ids], small.at[pl.ds(0, BLOCK_KV)], full_bar)
+                        # Row ids come through shared memory: a scalar load from global memory per
+                        # row would put a DRAM round trip between consecutive row copies.
+                        plgpu.copy_gmem_to_smem(idx_ref.at[t, chunk_ids], small.at[pl.ds(0, BLOCK_KV)], ids_bar)
+                        plgpu.barrier_wait(ids_bar)
 
                         @pl.loop(0, BLOCK_KV)
                         def _row(j):
-                            row = jnp.maximum(idx_ref[t, c * BLOCK_KV + j], 0)
+                            row = jnp.maximum(small[j], 0)
                             plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
                                                     oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
                     step += nc
@@ -203,11 +211,11 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                     sink2,                                                   # running max m
                     cast(jnp.ones((HEADS,), jnp.float32), ROW),  # sum l
                 )
-                for p, nc in enumerate(n_chunks):
-                    idx_ref = pool_refs[2 * p + 1]
+                for nc in n_chunks:   # the producer walks the same pools and chunks in the same order
 
-                    def chunk(c, carry, idx_ref=idx_ref):
+                    def chunk(c, carry):
                         acc, m, l = carry
+                        plgpu.barrier_wait(ids_bar)
                         plgpu.barrier_wait(full_bar)
                         ids = cast(small[pl.ds(0, BLOCK_KV)], COL)
                         # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
@@ -235,7 +243,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
 
                     carry = lax.fori_loop(0, nc, chunk, carry)
                 acc, _, l = carry
-                # Every QK^T read of q_smem finished before the last exchange: reuse it for the output.
+                # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
                 out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
                 q_smem[wg] = out.astype(jnp.bfloat16)
                 plgpu.commit_smem()
@@ -251,7 +259,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((BLOCK_KV + HEADS,), jnp.int32),                       # chunk's indices, sink bits
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
-            plgpu.Barrier(num_arrivals=BLOCK_KV + 1),                         # staging full
+            plgpu.Barrier(),                                                  # chunk's ids landed
+            plgpu.Barrier(num_arrivals=BLOCK_KV),                             # staging full
             plgpu.Barrier(num_arrivals=2),                                    # staging free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
             collective_axes="wg",

@@ -1,0 +1,256 @@
+"""V4.1 sparse sink MQA on the GPU: our Mosaic GPU kernel against the XLA path, with a roofline.
+
+Cases (H=64 heads, D=512, bf16; every query reads 128 window rows + 512 compressed rows):
+- decode: B in {8, 32, 64, 128, 256} requests x 4 queries (1 + 3 draft tokens) at 128K
+  context: window rows from a per-request ring of 128, top-512 distinct rows from the
+  request's own pool of 128K/4 = 32K compressed rows;
+- prefill: T in {4K, 16K, 64K} new tokens of one request at 128K context: the window is the
+  127 rows before each token (ring + the chunk's own KV), top-512 from the 32K pool.
+
+Implementations: ``pallas_bf16`` (pallas_kernels.sparse_attention.sparse_mqa) and ``xla_bf16``
+(gather + two bf16 einsums with fp32 accumulation + softmax, jitted; run with lax.map over
+query chunks where one shot would not fit, which the row says). Each kernel row carries
+``rel_err`` against the fp32 reference (sparse_mqa_reference) on a sample of query tokens,
+``rel_err_vs_xla`` over all tokens, and ``finite`` (no NaN/Inf anywhere in the output).
+
+Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
+FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
+(counted per request for decode). Timing: median over >= 20 calls of host wall-clock around
+call + block_until_ready, rotating among input sets so that repeats do not run from L2.
+
+    PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
+    python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
+    python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import ceilings, rel_err, run_info, write  # noqa: E402
+
+from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference  # noqa: E402
+
+L2_BYTES = 60e6
+CALLS = 20
+
+
+def xla_bf16(q, pools, sink, scale, chunk=None):
+    """The XLA path in bf16 (fp32 accumulation and softmax); lax.map over query chunks if asked."""
+    def one(q, idxs):
+        keys = jnp.concatenate([kv[jnp.maximum(i, 0)] for (kv, _), i in zip(pools, idxs)], 1)
+        valid = jnp.concatenate([i >= 0 for i in idxs], 1)
+        logits = jnp.einsum("thd,tsd->ths", q, keys, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(valid[:, None], logits, -jnp.inf)
+        m = jnp.maximum(logits.max(-1), sink[None])
+        p = jnp.exp(logits - m[..., None])
+        den = jnp.exp(sink[None] - m) + p.sum(-1)
+        out = jnp.einsum("ths,tsd->thd", (p / den[..., None]).astype(q.dtype), keys,
+                         preferred_element_type=jnp.float32)
+        return out.astype(q.dtype)
+
+    idxs = [i for _, i in pools]
+    t = q.shape[0]
+    if not chunk or t <= chunk:
+        return one(q, idxs)
+    split = lambda x: x.reshape(t // chunk, chunk, *x.shape[1:])
+    out = jax.lax.map(lambda a: one(*a), (split(q), [split(i) for i in idxs]))
+    return out.reshape(q.shape)
+
+
+def make_case(kind, n, h, d, win, topk, comp_pool, rng):
+    """Pools (shared by all input sets) and a function drawing one (q, idx...) input set."""
+    if kind == "decode":
+        reqs, t = n, 4 * n
+        n_win, n_comp = reqs * win, reqs * comp_pool
+        req = np.repeat(np.arange(reqs), 4)[:, None]
+        widx = np.broadcast_to(req * win + np.arange(win), (t, win))
+        base = req * comp_pool
+    else:
+        reqs, t = 1, n
+        n_win, n_comp = win + t, comp_pool                        # ring of the previous 128 + the chunk
+        widx = win + np.arange(t)[:, None] - np.arange(win)[None, :]  # tokens t-127 .. t
+        base = np.zeros((t, 1), np.int64)
+    stride = comp_pool // topk
+
+    def draw(seed):
+        r = np.random.default_rng(seed)
+        # topk distinct rows spread over the pool (one per stride bucket), like a top-k selection
+        cidx = base + np.arange(topk) * stride + r.integers(0, stride, (t, topk))
+        q = jax.random.normal(jax.random.key(seed), (t, h, d), jnp.bfloat16)  # on device: GBs at 64K
+        return q, jnp.asarray(widx, jnp.int32), jnp.asarray(cidx, jnp.int32)
+
+    def distinct_rows(widx_, cidx_):
+        if kind == "decode":
+            rows = np.concatenate([widx_, cidx_ + reqs * win], 1)   # one id space over both pools
+        else:
+            rows = np.concatenate([widx_, cidx_ + n_win], 1)
+        return int(np.count_nonzero(np.bincount(rows.ravel())))
+
+    seed = int(rng.integers(1 << 30))
+    pools = (jax.random.normal(jax.random.key(seed), (n_win, d), jnp.bfloat16),
+             jax.random.normal(jax.random.key(seed + 1), (n_comp, d), jnp.bfloat16))
+    return t, pools, draw, distinct_rows
+
+
+def timed(fn, arg_sets):
+    """Median ms of CALLS calls (warm-up first), cycling through the input sets."""
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    times = []
+    for i in range(CALLS):
+        a = arg_sets[i % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run(args):
+    global CALLS
+    smoke = args.smoke
+    if smoke:
+        from jax._src.pallas.mosaic_gpu.interpret import params as ip
+        ip.set_gpu_interpret_mode(ip.InterpretGPUParams())
+        CALLS = 2
+        h, d, win, topk, comp_pool = 64, 128, 64, 64, 512
+        cases = [("decode", 2), ("prefill", 8)]
+        xla_chunk = 4
+    else:
+        h, d, win, topk, comp_pool = 64, 512, 128, 512, 32768
+        cases = [("decode", b) for b in (8, 32, 64, 128, 256)] + [("prefill", t) for t in (4096, 16384, 65536)]
+        xla_chunk = 4096
+    scale = d ** -0.5
+    info = run_info()
+    ceil = ceilings(smoke=smoke)
+    print("ceilings:", json.dumps(ceil), flush=True)
+    rows, roof = [], {}
+    rng = np.random.default_rng(0)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+
+    for kind, n in cases:
+        case = {"kind": kind, "n": n, "H": h, "D": d, "S": win + topk}
+        key = f"{kind}-{n}"
+        try:
+            t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
+            case["T"] = t
+            q0, w0, c0 = draw(1)
+            kv_bytes = distinct_rows(np.asarray(w0), np.asarray(c0)) * d * 2
+            qo_bytes = 2 * t * h * d * 2
+            set_bytes = kv_bytes + qo_bytes
+            n_sets = 2 if smoke else min(8, max(2, math.ceil(2 * L2_BYTES / set_bytes)))
+            sets = [(q0, w0, c0)] + [draw(s) for s in range(2, n_sets + 1)]
+            flops = 4 * t * h * (win + topk) * d
+            nbytes = kv_bytes + qo_bytes
+            roof[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes / ceil["bandwidth_GBps"] / 1e6)
+            case.update(flops=flops, bytes=nbytes, input_sets=n_sets)
+            print(f"{key}: T={t} sets={n_sets} roofline {roof[key]:.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": case, "impl": "setup", "ms": None, "error": repr(e)})
+            traceback.print_exc()
+            continue
+
+        pools_of = lambda w, c: [(wkv, w), (ckv, c)]
+        kernel = jax.jit(lambda q, w, c: sparse_mqa(q, pools_of(w, c), sink, scale))
+        chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
+        xla = jax.jit(lambda q, w, c: xla_bf16(q, pools_of(w, c), sink, scale, chunk))
+        # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
+        sample = np.unique(np.linspace(0, t - 1, min(t, 256)).astype(int))
+        q, w, c = sets[0]
+        ref = sparse_mqa_reference(q[sample], pools_of(w[sample], c[sample]), sink, scale)
+
+        xla_out = None
+        for impl, fn in (("xla_bf16", xla), ("pallas_bf16", kernel)):
+            row = {"case": case, "impl": impl, "ms": None, "rel_err": None, "error": None}
+            if impl == "xla_bf16" and chunk:
+                row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
+            try:
+                out = jax.block_until_ready(fn(q, w, c))
+                row["finite"] = bool(jnp.isfinite(out).all())
+                row["rel_err"] = rel_err(out[sample], ref)
+                if xla_out is None:
+                    xla_out = out
+                else:
+                    row["rel_err_vs_xla"] = rel_err(out, xla_out)
+                row["ms"] = timed(fn, sets)
+                row["GBps"] = case["bytes"] / row["ms"] / 1e6
+                row["TFLOPs"] = case["flops"] / row["ms"] / 1e9
+                row["frac_of_roofline"] = roof[key] / row["ms"]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:2000]
+                traceback.print_exc()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del sets, xla_out
+        # written after every case: a hang or crash later still leaves the rows so far
+        payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof}
+        path = write("attention_gpu", payload)
+
+    payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof}
+    path = write("attention_gpu", payload)
+    print(f"\nwrote {path}\n")
+    table(payload)
+    return path
+
+
+def table(payload):
+    print(f"{'case':>16} {'impl':>12} {'ms':>9} {'roof ms':>9} {'%roof':>6} {'GB/s':>7} {'TFLOP/s':>8} {'rel_err':>8}")
+    for r in payload["rows"]:
+        key = f"{r['case']['kind']}-{r['case']['n']}"
+        roof = payload["roofline_ms"].get(key)
+        if r.get("ms") is None:
+            print(f"{key:>16} {r['impl']:>12}  failed: {str(r.get('error'))[:80]}")
+            continue
+        print(f"{key:>16} {r['impl']:>12} {r['ms']:9.3f} {roof:9.3f} {100 * roof / r['ms']:6.1f} "
+              f"{r['GBps']:7.0f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e}")
+
+
+def plot(path: Path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    payload = json.loads(path.read_text())
+    keys = list(payload["roofline_ms"])
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.plot(keys, [payload["roofline_ms"][k] for k in keys], "k--", label="roofline")
+    for impl in sorted({r["impl"] for r in payload["rows"]}):
+        pts = {f"{r['case']['kind']}-{r['case']['n']}": r["ms"] for r in payload["rows"]
+               if r["impl"] == impl and r.get("ms")}
+        ax.plot([k for k in keys if k in pts], [pts[k] for k in keys if k in pts], "o-", label=impl)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per call")
+    ax.set_title(f"V4.1 sparse sink MQA (H=64, D=512, S=640), {payload['device']}, jax {payload['jax_version']}")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=30)
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Mosaic GPU interpreter")
+    p.add_argument("--plot", action="store_true", help="only plot an existing $OUT/attention_gpu.json")
+    a = p.parse_args()
+    out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
+    if a.plot:
+        plot(out)
+    else:
+        plot(run(a))
