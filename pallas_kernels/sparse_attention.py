@@ -28,8 +28,8 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   memory and summed (fp32 addition commutes, so both warpgroups get bitwise the same logits,
   hence the same softmax). Each warpgroup then runs P @ V on its own D half: no redundant
   MMA work, and K/V tiles are only ever read by the warpgroup that re-laid them.
-* Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
-  bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
+* Fused: gather + QK^T + mask + sink + online softmax + PV + normalisation +
+  bf16 cast in one launch (fp8 KV is not done yet; its dequant belongs in the re-layout). Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
   they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
 
@@ -45,13 +45,12 @@ so the next chunk's row copies overlap the current chunk's QK^T / softmax / PV (
 the tiled buffer act as a 2-deep pipeline). Registers per compute thread: acc 128 (fp32
 [64, 256]) + logits 32 + P 16 + re-layout 8 per 64-column piece.
 
-Contract: ``q`` [T, H, D] bf16 with H % 64 == 0 and D % 128 == 0; each pool ``kv`` [N, D]
+Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's registers); each pool ``kv`` [N, D]
 bf16, ``idx`` [T, S] int32 with entries in [-1, N) (masked slots fetch row 0, which keeps
 P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
@@ -134,8 +133,8 @@ def _interpret_params(interpret):
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring)."""
     t_len, n_heads, d = q.shape
-    if n_heads % HEADS or d % 128 or q.dtype != jnp.bfloat16:
-        raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}")
+    if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
+        raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
     for kv, idx in pools:
         if kv.shape[1] != d or kv.dtype != jnp.bfloat16 or idx.shape[0] != t_len:
