@@ -15,8 +15,8 @@ query chunks where one shot would not fit, which the row says). Each kernel row 
 
 Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
-(counted per request for decode). Timing: median over >= 20 calls of host wall-clock around
-call + block_until_ready, rotating among input sets so that repeats do not run from L2.
+(counted per request for decode). Timing: ``gpu_common.time_jax_sets`` (back-to-back calls,
+one wait, median of 5), rotating among input sets so that repeats do not run from L2.
 
     PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
     python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
@@ -28,9 +28,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -39,12 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ceilings, rel_err, run_info, write  # noqa: E402
+from gpu_common import ceilings, rel_err, run_info, time_jax_sets, write  # noqa: E402
 
 from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference  # noqa: E402
 
 L2_BYTES = 60e6
-CALLS = 20
 
 
 def xla_bf16(q, pools, sink, scale, chunk=None):
@@ -105,26 +102,11 @@ def make_case(kind, n, h, d, win, topk, comp_pool, rng):
     return t, pools, draw, distinct_rows
 
 
-def timed(fn, arg_sets):
-    """Median ms of CALLS calls (warm-up first), cycling through the input sets."""
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    times = []
-    for i in range(CALLS):
-        a = arg_sets[i % len(arg_sets)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run(args):
-    global CALLS
     smoke = args.smoke
     if smoke:
         from jax._src.pallas.mosaic_gpu.interpret import params as ip
         ip.set_gpu_interpret_mode(ip.InterpretGPUParams())
-        CALLS = 2
         h, d, win, topk, comp_pool = 64, 128, 64, 64, 512
         cases = [("decode", 2), ("prefill", 8)]
         xla_chunk = 4
@@ -162,13 +144,16 @@ def run(args):
             traceback.print_exc()
             continue
 
-        pools_of = lambda w, c: [(wkv, w), (ckv, c)]
-        kernel = jax.jit(lambda q, w, c: sparse_mqa(q, pools_of(w, c), sink, scale))
+        # the pools are arguments, not closure constants: captured, they would be baked into
+        # the executable (GBs of constants and minutes of compilation)
+        pools_of = lambda w, c: [(wkv, w), (ckv, c)]  # noqa: E731  (untimed reference only)
+        sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
+        kernel = jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
-        xla = jax.jit(lambda q, w, c: xla_bf16(q, pools_of(w, c), sink, scale, chunk))
+        xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
         sample = np.unique(np.linspace(0, t - 1, min(t, 256)).astype(int))
-        q, w, c = sets[0]
+        q, w, c = sets[0][:3]
         ref = sparse_mqa_reference(q[sample], pools_of(w[sample], c[sample]), sink, scale)
 
         xla_out = None
@@ -177,14 +162,14 @@ def run(args):
             if impl == "xla_bf16" and chunk:
                 row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
             try:
-                out = jax.block_until_ready(fn(q, w, c))
+                out = jax.block_until_ready(fn(*sets[0]))
                 row["finite"] = bool(jnp.isfinite(out).all())
                 row["rel_err"] = rel_err(out[sample], ref)
                 if xla_out is None:
                     xla_out = out
                 else:
                     row["rel_err_vs_xla"] = rel_err(out, xla_out)
-                row["ms"] = timed(fn, sets)
+                row["ms"] = time_jax_sets(fn, sets, **({"inner": 2, "reps": 1} if smoke else {}))
                 row["GBps"] = case["bytes"] / row["ms"] / 1e6
                 row["TFLOPs"] = case["flops"] / row["ms"] / 1e9
                 row["frac_of_roofline"] = roof[key] / row["ms"]

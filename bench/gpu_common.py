@@ -48,12 +48,18 @@ def run_info() -> dict:
 
 def time_jax(fn, *args, inner: int = 10, reps: int = 5) -> float:
     """Median milliseconds per call of a jitted ``fn``."""
-    jax.block_until_ready(fn(*args))
+    return time_jax_sets(fn, [args], inner=inner, reps=reps)
+
+
+def time_jax_sets(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
+    """Like ``time_jax``, cycling through several input sets so repeats do not run from L2."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
+        for i in range(inner):
+            out = fn(*arg_sets[i % len(arg_sets)])
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner * 1e3)
     return statistics.median(times)

@@ -37,7 +37,6 @@ LIMIT = 10.0
 SKEW = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
 CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)),
-    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)),
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]

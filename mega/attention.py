@@ -11,28 +11,35 @@ prefill, decode and speculative verification, and paged or ring storage. As in F
 fused V4.1 kernel the op rotates the trailing RoPE slice of ``q`` itself and applies the
 inverse rotation to the output (K = V carries its rotation; MODEL_SPEC §3.6). The sink
 only enlarges the softmax denominator, so fully masked rows stay finite.
+
+On GPU (``mega.backend``) the middle of the op, gather + sink softmax + weighted sum, is
+the Pallas kernel ``pallas_kernels.sparse_attention.sparse_mqa`` (bf16 activations, heads a
+multiple of 64, head_dim a multiple of 128 up to 512, as V4.1's 64 x 512); elsewhere, and for
+other shapes and dtypes, its pure-jnp reference.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mega.primitives import HIGHEST, apply_rope
+from mega import backend
+from mega.primitives import apply_rope
+from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
+
+
+def _kernel_fits(q: jnp.ndarray, pools) -> bool:
+    _, h, d = q.shape
+    return (backend.mode() in ("pallas", "interpret") and q.dtype == jnp.bfloat16
+            and all(kv.dtype == jnp.bfloat16 for kv, _ in pools)
+            and h % 64 == 0 and d % 128 == 0 and d <= 512)
 
 
 def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp.ndarray,
               window_idx: jnp.ndarray, comp_kv: jnp.ndarray | None, comp_idx: jnp.ndarray | None,
               sink: jnp.ndarray, scale: float) -> jnp.ndarray:
     q = apply_rope(q, cos[:, None], sin[:, None])
-    keys, idx = window_kv[jnp.maximum(window_idx, 0)], window_idx
-    if comp_kv is not None:
-        keys = jnp.concatenate([keys, comp_kv[jnp.maximum(comp_idx, 0)].astype(keys.dtype)], axis=1)
-        idx = jnp.concatenate([idx, comp_idx], axis=1)
-    keys = keys.astype(jnp.float32)
-    logits = jnp.einsum("thd,tsd->ths", q.astype(jnp.float32), keys, precision=HIGHEST) * scale
-    logits = jnp.where((idx >= 0)[:, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, :]
-    m = jnp.maximum(logits.max(-1), sink)
-    p = jnp.exp(logits - m[..., None])
-    den = jnp.exp(sink - m) + p.sum(-1)
-    out = jnp.einsum("ths,tsd->thd", p / den[..., None], keys, precision=HIGHEST)
-    return apply_rope(out.astype(q.dtype), cos[:, None], sin[:, None], inverse=True)
+    pools = [(window_kv, window_idx)] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
+    if _kernel_fits(q, pools):
+        out = sparse_mqa(q, pools, sink, scale, interpret=backend.interpret_params() or False)
+    else:
+        out = sparse_mqa_reference(q, pools, sink, scale)
+    return apply_rope(out, cos[:, None], sin[:, None], inverse=True)

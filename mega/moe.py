@@ -85,13 +85,13 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
 def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int):
     """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
 
-    From ``bench/moe_gpu.py`` on the H200: at decode sizes one warpgroup per 64-row tile
-    streams the weights best; from about 256 rows per expert two wgmma warpgroups fed by a
-    TMA warpgroup win.
+    From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): up to ~64 rows per expert one
+    wgmma warpgroup per 64-row tile streams the weights best; from 256 rows per expert two
+    wgmma warpgroups fed by a TMA warpgroup win by 1.3-1.45x.
     """
     from pallas_kernels.grouped_gemm import GemmConfig
-    if n_rows >= 256 * n_experts:
-        cfgs = GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2)
+    if n_rows >= 128 * n_experts:
+        cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)
     else:
         cfgs = GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)
     fits = all(n % c.block_n == 0 and kk % c.block_k == 0

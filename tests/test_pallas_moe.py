@@ -92,6 +92,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch):
 
 @pytest.mark.parametrize("up,down", [
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)),
+    (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)),
     (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2)),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down):
