@@ -100,16 +100,31 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     return cfgs if use else None
 
 
-def _experts_pallas(xs, w1, w3, w2, group_sizes, limit, cfgs):
-    """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels."""
+def _experts_pallas(xs, p, group_sizes, limit, cfgs, shared_rows=None):
+    """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels.
+
+    ``shared_rows`` (the tokens) run the shared expert in the same two launches, as expert id
+    E: its weight tiles stream in the same wave as the routed ones (at decode sizes its CTAs
+    take SMs the routed grid leaves idle). Returns the routed rows, then the shared rows.
+    """
     from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
+    n_experts = p["w1"].shape[0]
+    shared = None
+    if shared_rows is not None:
+        xs = jnp.concatenate([xs, shared_rows])
+        group_sizes = jnp.concatenate([group_sizes, jnp.array([shared_rows.shape[0]], jnp.int32)])
+        shared = p["shared"]
     n, d = xs.shape
     up_cfg, down_cfg = cfgs
-    dest, block_expert, m_pad = aligned_layout(group_sizes, n, up_cfg.rows, w1.shape[0])
+    dest, block_expert, m_pad = aligned_layout(group_sizes, n, up_cfg.rows,
+                                               n_experts + (shared is not None))
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
     interp = backend.interpret_params()
-    h = grouped_swiglu(x_al, w1, w3, block_expert, limit=limit, cfg=up_cfg, interpret=interp)
-    return grouped_matmul(h, w2, block_expert, cfg=down_cfg, interpret=interp)[dest]
+    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg,
+                       shared=None if shared is None else (shared["w1"], shared["w3"]),
+                       interpret=interp)
+    return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
+                          shared=None if shared is None else shared["w2"])[dest]
 
 
 def _experts_reference(xs, w1, w3, w2, group_sizes, limit):
@@ -128,13 +143,20 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     xs = x[order // spec.top_k]
     cfgs = _kernel_configs(x, xs.shape[0], n_experts, d, inter)
+    shared = p.get("shared")
+    fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
+                   and shared["w2"].shape == (d, inter))
     if cfgs is not None:
-        out = _experts_pallas(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit, cfgs)
+        out = _experts_pallas(xs, p, group_sizes, spec.swiglu_limit, cfgs,
+                              shared_rows=x if fuse_shared else None)
     else:
         out = _experts_reference(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
     # combine: each token gathers its k expert rows and sums them with the routing weights
+    n = xs.shape[0]
     rows = out[jnp.argsort(order)].reshape(t, spec.top_k, d).astype(jnp.float32)
     y = jnp.einsum("tk,tkd->td", weights, rows, precision=HIGHEST)
-    if "shared" in p:
-        y = y + shared_expert(x, p["shared"], spec.swiglu_limit)
+    if fuse_shared:
+        y = y + out[n:].astype(jnp.float32)
+    elif shared is not None:
+        y = y + shared_expert(x, shared, spec.swiglu_limit)
     return y.astype(x.dtype)

@@ -15,6 +15,10 @@ whole-tile TMA copies; padding rows hold garbage that the combine never reads. W
 the HF ``[E, out, in]`` layout (the tile is transposed in shared memory for the wgmma), so
 checkpoints need no re-layout.
 
+The shared expert rides along as one more expert id (a second weight stack, picked per row
+block), so routed and shared experts take two launches in all, and at decode sizes the
+shared expert's CTAs fill SMs that the routed grid leaves idle.
+
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a
 grid-wide dependency per row block. At decode sizes the cost is one extra launch, at
@@ -65,27 +69,39 @@ def swiglu_f32(gate, up, limit: float):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmConfig,
-                    interpret):
+def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret):
+    """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]``; expert ids number the
+    stacks' experts consecutively (the routed stack, then e.g. the shared expert as one more)."""
     m, k = lhs.shape
-    n = weights[0].shape[1]
+    n = stacks[0][0].shape[1]
+    n_ops = len(stacks[0])
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
     # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
     kn = interpret is not None
     if kn:
-        weights = tuple(jnp.swapaxes(w, 1, 2) for w in weights)
+        stacks = tuple(tuple(jnp.swapaxes(w, 1, 2) for w in st) for st in stacks)
+    first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
     rows, bm, bn, bk = cfg.rows, cfg.block_m, cfg.block_n, cfg.block_k
     if m % rows or n % bn or k % bk:
         raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({rows}, {bn}, {bk})")
     if block_expert.shape != (m // rows,):
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
-    acc_shapes = [plgpu.ACC((bm, bn))] * len(weights)
+    acc_shapes = [plgpu.ACC((bm, bn))] * n_ops
+
+    def per_stack(expert, w_gmem, run):
+        """``run(weight refs of this expert)`` under the stack that owns ``expert``."""
+        for lo, st in zip(first, stacks):
+            refs, w_gmem = w_gmem[:n_ops], w_gmem[n_ops:]
+
+            @pl.when((expert >= lo) & (expert < lo + st[0].shape[0]))
+            def _(refs=refs, lo=lo):
+                run(tuple(w.at[expert - lo] for w in refs))
 
     def in_specs(mi, ni, delay_release):
         w_spec = (plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=delay_release) if kn
                   else plgpu.BlockSpec((bn, bk), lambda s: (ni, s), delay_release=delay_release))
         return [plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release)] + [
-            w_spec] * len(weights)
+            w_spec] * n_ops
 
     def mma(accs, x_smem, w_smem):
         for acc, w in zip(accs, w_smem):
@@ -106,9 +122,9 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
         def _():
             def scope(*accs):
                 # delay_release=1: a slot is refilled only after the next step's wgmma is issued
-                plgpu.emit_pipeline(lambda _, x, *w: mma(accs, x, w), grid=(k // bk,),
-                                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages,
-                                    )(lhs_gmem, *(w.at[expert] for w in w_gmem))
+                per_stack(expert, w_gmem, lambda w: plgpu.emit_pipeline(
+                    lambda _, x, *w_smem: mma(accs, x, w_smem), grid=(k // bk,),
+                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages)(lhs_gmem, *w))
                 pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
                     pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]), plgpu.SMEM((bm, bn), lhs.dtype))
             pl.run_scoped(scope, *acc_shapes)
@@ -117,7 +133,6 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
         w_gmem, out_gmem = refs[:-1], refs[-1]
         mi, ni, wg = (jax.lax.axis_index(a) for a in ("m", "n", "wg"))
         expert = block_expert_gmem[mi]
-        operands = (lhs_gmem, *(w.at[expert] for w in w_gmem))
 
         def pipeline(step, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -133,7 +148,9 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
 
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*operands),
+        shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*shapes),
                            o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bn), lhs.dtype),
                            collective_axes="wg")
         def _(allocs, o_smem):
@@ -144,9 +161,8 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
                           out_gmem.at[pl.ds(mi * rows + wg * bm, bm), pl.ds(ni * bn, bn)])
                 pl.run_scoped(scope, *acc_shapes)
 
-            @pl.when(expert >= 0)
-            def _():
-                pipeline(step, context)(*operands, allocations=allocs)
+            per_stack(expert, w_gmem,
+                      lambda w: pipeline(step, context)(lhs_gmem, *w, allocations=allocs))
 
     ws = cfg.compute_wgs > 1
     kernel = plgpu.kernel(
@@ -155,38 +171,46 @@ def _grouped_kernel(lhs, weights, block_expert, epilogue: Callable, cfg: GemmCon
         grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *weights)
+    return kernel(block_expert, lhs, *(w for st in stacks for w in st))
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
-def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, cfg: GemmConfig = GemmConfig(),
-                   interpret=None):
+def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None,
+                   cfg: GemmConfig = GemmConfig(), interpret=None):
     """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // cfg.rows]``.
 
-    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]``; returns ``[M, I]`` in x's dtype.
+    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]``; ``shared = (w1 [I, D],
+    w3 [I, D])`` makes expert id ``E`` the shared expert. Returns ``[M, I]`` in x's dtype.
     """
-    return _grouped_kernel(x, (w1, w3), block_expert,
+    stacks = ((w1, w3),) + (() if shared is None else (tuple(w[None] for w in shared),))
+    return _grouped_kernel(x, stacks, block_expert,
                            lambda g, u: swiglu_f32(g, u, limit), cfg, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def grouped_matmul(h, w2, block_expert, *, cfg: GemmConfig = GemmConfig(), interpret=None):
-    """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // cfg.rows]``; w2 ``[E, D, I]``."""
-    return _grouped_kernel(h, (w2,), block_expert, lambda acc: acc, cfg, interpret)
+def grouped_matmul(h, w2, block_expert, *, shared=None, cfg: GemmConfig = GemmConfig(),
+                   interpret=None):
+    """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // cfg.rows]``; w2 ``[E, D, I]``,
+    ``shared`` ``[D, I]`` is expert ``E``."""
+    stacks = ((w2,),) + (() if shared is None else ((shared[None],),))
+    return _grouped_kernel(h, stacks, block_expert, lambda acc: acc, cfg, interpret)
 
 
-def _per_row_weights(w, block_expert, rows):
+def _per_row_weights(w, block_expert, rows, shared):
+    if shared is not None:
+        w = jnp.concatenate([w, shared[None]])
     return w[jnp.maximum(jnp.repeat(block_expert, rows), 0)]
 
 
-def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, rows: int):
-    w1r, w3r = (_per_row_weights(w, block_expert, rows) for w in (w1, w3))
+def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, rows: int, shared=None):
+    w1r, w3r = (_per_row_weights(w, block_expert, rows, sw)
+                for w, sw in zip((w1, w3), shared or (None, None)))
     f32 = jnp.float32
     gate = jnp.einsum("md,mid->mi", x.astype(f32), w1r.astype(f32))
     up = jnp.einsum("md,mid->mi", x.astype(f32), w3r.astype(f32))
     return swiglu_f32(gate, up, limit).astype(x.dtype)
 
 
-def grouped_matmul_reference(h, w2, block_expert, *, rows: int):
-    w2r = _per_row_weights(w2, block_expert, rows)
+def grouped_matmul_reference(h, w2, block_expert, *, rows: int, shared=None):
+    w2r = _per_row_weights(w2, block_expert, rows, shared)
     return jnp.einsum("mi,mdi->md", h.astype(jnp.float32), w2r.astype(jnp.float32)).astype(h.dtype)

@@ -28,22 +28,28 @@ def rel(a, b):
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2)],
                          ids=["one-warpgroup", "warp-specialised"])
 def test_grouped_kernels_match_reference(cfg):
+    """Three routed experts (one empty) plus the shared expert as expert id 3."""
     e, d, inter, limit = 3, 128, 128, 2.5
     rng = np.random.default_rng()
-    sizes = jnp.asarray([rng.integers(1, 2 * cfg.rows), 0, rng.integers(1, cfg.rows)], jnp.int32)
+    sizes = jnp.asarray([rng.integers(1, 2 * cfg.rows), 0, rng.integers(1, cfg.rows),
+                         rng.integers(1, cfg.rows)], jnp.int32)
     n = int(sizes.sum())
-    dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e)
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 7)
     xs = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
     x = jnp.zeros((m_pad, d), jnp.bfloat16).at[dest].set(xs)
     w1, w3 = (jax.random.normal(k, (e, inter, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
     w2 = jax.random.normal(keys[3], (e, d, inter), jnp.bfloat16) * inter ** -0.5
+    shared_up = tuple(jax.random.normal(k, (inter, d), jnp.bfloat16) * d ** -0.5 for k in keys[4:6])
+    shared_down = jax.random.normal(keys[6], (d, inter), jnp.bfloat16) * inter ** -0.5
     assert (np.asarray(block_expert) == -1).any()  # an unused block is skipped
 
-    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, cfg=cfg, interpret=INTERPRET)
-    out = grouped_matmul(h, w2, block_expert, cfg=cfg, interpret=INTERPRET)
-    h_ref = grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows)
-    out_ref = grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows)
+    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, cfg=cfg,
+                       interpret=INTERPRET)
+    out = grouped_matmul(h, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
+    h_ref = grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows,
+                                     shared=shared_up)
+    out_ref = grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared_down)
     rows = np.asarray(dest)
     for got, want in ((h, h_ref), (out, out_ref)):
         got = np.asarray(got, np.float32)[rows]
