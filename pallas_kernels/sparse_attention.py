@@ -52,7 +52,7 @@ P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,24 +67,83 @@ LOG2E = math.log2(math.e)
 # Staging rows are padded by 16 bytes so that reading a 64x64 block of them in the WGMMA
 # layout (8 rows x 16 B per quarter-warp) hits 8 distinct bank groups instead of one.
 STAGE_PAD = 8
+# fp8 staging rows are padded by 16 bytes for the same reason (16 fp8 elements), and so are
+# the staged scale lines (4 fp32), so that the strided column read of one scale group over 64
+# rows (the WGMMA row layout) spreads over the banks.
+STAGE_PAD_FP8 = 16
+SCALE_PAD = 4
+# Mosaic GPU's bulk copies (Lane semantics) move multiples of 128 bytes, and a row's scales are
+# only D/32 * 4 = 64 bytes at D=512: the kernel sees the scales as lines of 128 bytes (32 fp32,
+# the scales of 128 // (D/8) consecutive rows), copies the line holding the row and picks the
+# row's part by its id in registers.
+SCALE_LINE = 32
+
+
+class Fp8Pool(NamedTuple):
+    """An fp8 KV pool (MODEL_SPEC §3.5, FP8 block 32 UE8M0): row ``r`` of K = V is
+    ``kv[r, c] * scale[r, c // 32]``. ``kv`` [N, D] float8_e4m3fn, ``scale`` [N, D // 32]
+    float32 powers of two, ``idx`` [T, S] int32 in [-1, N). A plain 3-tuple
+    ``(kv, scale, idx)`` is the same thing; a bf16 pool is the 2-tuple ``(kv, idx)``."""
+    kv: jax.Array
+    scale: jax.Array
+    idx: jax.Array
+
+
+def quantize_fp8(x):
+    """MODEL_SPEC §3.5 FP8 block-32 UE8M0 quantiser along the last axis: ``(kv_fp8, scale)``
+    with ``s = pow2ceil(max(amax, 1e-4) / 448)`` (from the IEEE bits, so powers of two map to
+    themselves) and ``kv_fp8 = e4m3_rne(clamp(x / s, ±448))``; ``kv_fp8 * s`` is the fake-quant value."""
+    *lead, d = x.shape
+    xb = x.astype(jnp.float32).reshape(*lead, d // 32, 32)
+    t = jnp.maximum(jnp.abs(xb).max(-1), 1e-4) / 448.0
+    bits = lax.bitcast_convert_type(t, jnp.int32)
+    scale = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, jnp.float32)
+    q = jnp.clip(xb / scale[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, d), scale
+
+
+def dequantize_fp8(kv, scale):
+    """``kv[..., c] * scale[..., c // 32]`` in fp32 (exact: e4m3 times a power of two)."""
+    *lead, d = kv.shape
+    return (kv.astype(jnp.float32).reshape(*lead, d // 32, 32) * scale[..., None]).reshape(*lead, d)
+
+
+def _split_pool(pool):
+    """``(kv, idx)`` -> ``(kv, None, idx)``; ``(kv, scale, idx)`` / ``Fp8Pool`` as is."""
+    if len(pool) == 2:
+        return pool[0], None, pool[1]
+    if len(pool) == 3:
+        return tuple(pool)
+    raise ValueError(f"a pool is (kv, idx) or (kv_fp8, kv_scale, idx), got {len(pool)} arrays")
 
 
 def _pad_pools(pools, block):
     """Pad each pool's index list to a multiple of ``block`` with -1 (masked) slots."""
     out = []
-    for kv, idx in pools:
+    for pool in pools:
+        kv, scale, idx = _split_pool(pool)
         s = idx.shape[1]
         pad = -s % block
         if pad:
             idx = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
-        out.append((kv, idx.astype(jnp.int32)))
+        out.append((kv, scale, idx.astype(jnp.int32)))
     return out
 
 
+def _gather_rows(pool):
+    """fp32 rows of one pool gathered by its idx (masked slots read row 0), dequantised if fp8."""
+    kv, scale, idx = _split_pool(pool)
+    rows = jnp.maximum(idx, 0)
+    if scale is None:
+        return kv[rows].astype(jnp.float32)
+    return dequantize_fp8(kv[rows], scale[rows])
+
+
 def sparse_mqa_reference(q, pools, sink, scale, **_):
-    """Pure-jnp reference: fp32 logits and softmax of bf16 inputs, output cast to q.dtype."""
-    keys = jnp.concatenate([kv[jnp.maximum(idx, 0)].astype(jnp.float32) for kv, idx in pools], 1)
-    valid = jnp.concatenate([idx >= 0 for _, idx in pools], 1)
+    """Pure-jnp reference: fp32 logits and softmax of bf16 (or dequantised fp8) inputs, output
+    cast to q.dtype. Takes the same pools as ``sparse_mqa``."""
+    keys = jnp.concatenate([_gather_rows(p) for p in pools], 1)
+    valid = jnp.concatenate([_split_pool(p)[2] >= 0 for p in pools], 1)
     hi = lax.Precision.HIGHEST
     logits = jnp.einsum("thd,tsd->ths", q.astype(jnp.float32), keys, precision=hi) * scale
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
@@ -136,10 +195,30 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
-    for kv, idx in pools:
-        if kv.shape[1] != d or kv.dtype != jnp.bfloat16 or idx.shape[0] != t_len:
+    n_groups = d // 32                            # fp8 scale groups per row
+    for kv, kv_scale, idx in pools:
+        want = jnp.bfloat16 if kv_scale is None else jnp.float8_e4m3fn
+        if kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
             raise ValueError(f"pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape}")
-    n_chunks = [idx.shape[1] // BLOCK_KV for _, idx in pools]
+        if kv_scale is not None and (kv_scale.shape != (kv.shape[0], n_groups) or kv_scale.dtype != jnp.float32):
+            raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want float32 {(kv.shape[0], n_groups)}")
+        if kv_scale is not None and SCALE_LINE % n_groups:
+            raise ValueError(f"fp8 pools need D in (128, 256, 512), got {d}")
+    n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
+    is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
+    rows_per_line = SCALE_LINE // n_groups        # rows whose scales share one 128-byte line
+    # View each fp8 pool's scales as 128-byte lines [N / rows_per_line, 32] (free unless N is
+    # not a multiple of rows_per_line: then one pad copy of the scales).
+    lined = []
+    for kv, kv_scale, idx in pools:
+        if kv_scale is not None:
+            pad = -kv_scale.shape[0] % rows_per_line
+            if pad:
+                kv_scale = jnp.pad(kv_scale, ((0, pad), (0, 0)), constant_values=1.0)
+            kv_scale = kv_scale.reshape(-1, SCALE_LINE)
+        lined.append((kv, kv_scale, idx))
+    pools = lined
+    any_bf16, any_fp8 = not all(is_fp8), any(is_fp8)
     dh = d // 2                                   # D columns per compute warpgroup
     qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -149,13 +228,22 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
     TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     cast = (lambda x, layout: x) if interpreting else plgpu.layout_cast
 
+    # Each pool's refs: (kv, idx) or (kv, scale, idx).
+    ref_counts = [3 if f else 2 for f in is_fp8]
+
     def body(q_ref, sink_ref, *refs):
-        pool_refs, o_ref = refs[:-1], refs[-1]
+        o_ref = refs[-1]
+        pool_refs, pos = [], 0
+        for n in ref_counts:
+            r = refs[pos:pos + n]
+            pool_refs.append((r[0], r[1] if n == 3 else None, r[-1]))
+            pos += n
         t, hg = lax.axis_index("t"), lax.axis_index("hg")
         heads = pl.ds(hg * HEADS, HEADS)
 
-        def scoped(q_smem, stage, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar):
+        def scoped(q_smem, stages, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, full8_bar=None):
             wg = lax.axis_index("wg")
+            stage, stage8, scales = stages
 
             def sync():  # both compute warpgroups meet here
                 plgpu.barrier_arrive(sync_bar)
@@ -171,10 +259,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                 plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[pl.ds(BLOCK_KV, HEADS)], q_bar)
                 step = 0
                 for p, nc in enumerate(n_chunks):
-                    kv_ref, idx_ref = pool_refs[2 * p], pool_refs[2 * p + 1]
+                    kv_ref, scale_ref, idx_ref = pool_refs[p]
 
                     @pl.loop(0, nc)
-                    def _chunk(c, kv_ref=kv_ref, idx_ref=idx_ref, first=step == 0):
+                    def _chunk(c, kv_ref=kv_ref, scale_ref=scale_ref, idx_ref=idx_ref, first=step == 0):
                         # The single staging buffer is free once both compute WGs have read
                         # the previous chunk into registers.
                         if first:
@@ -191,8 +279,15 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                         @pl.loop(0, BLOCK_KV)
                         def _row(j):
                             row = jnp.maximum(small[j], 0)
-                            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
-                                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                            if scale_ref is None:
+                                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
+                                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                            else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
+                                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
+                                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row // rows_per_line, 1)],
+                                                        scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
+                                                        full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
                     step += nc
                 if step:  # observe the last release too (the interpreter checks every phase is seen)
                     plgpu.barrier_wait(free_bar)
@@ -210,17 +305,49 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                     sink2,                                                   # running max m
                     cast(jnp.ones((HEADS,), jnp.float32), ROW),  # sum l
                 )
-                for nc in n_chunks:   # the producer walks the same pools and chunks in the same order
 
-                    def chunk(c, carry):
+                def relayout_bf16():
+                    for k in range(dh // 64):
+                        piece = cast(stage[:, pl.ds(wg * dh + k * 64, 64)], TILE)
+                        my_kt[:, pl.ds(k * 64, 64)] = piece
+
+                def relayout_fp8():
+                    # Dequantise on the way: e4m3 -> f16 -> f32 (exact), times the row's scale
+                    # for the column's 32-group (a power of two: exact), -> bf16 (exact).
+                    upper = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE) >= 32
+                    # which part of its staged scale line is each row's (masked rows: row 0's)
+                    part = jnp.maximum(cast(small[pl.ds(0, BLOCK_KV)], ROW), 0) % rows_per_line
+
+                    def column(c):   # a strided column of the staged scale lines, one value per row
+                        if interpreting:
+                            return scales[:, c]
+                        # not "optimized": Mosaic GPU cannot prove a stride-36 read bank-conflict free
+                        return plgpu.load(scales, (slice(None), c), layout=ROW, optimized=False)
+
+                    def row_scales(g):   # scale group g of every staged row, [64] per row
+                        out = column(g)
+                        for r in range(1, rows_per_line):
+                            out = jnp.where(part == r, column(r * n_groups + g), out)
+                        return out
+
+                    for k in range(dh // 64):
+                        col0 = wg * dh + k * 64
+                        g0 = wg * (dh // 32) + 2 * k
+                        piece = cast(stage8[:, pl.ds(col0, 64)], TILE).astype(jnp.float32)
+                        s_lo, s_hi = row_scales(g0), row_scales(g0 + 1)
+                        sc = jnp.where(upper, lax.broadcast_in_dim(s_hi, piece.shape, [0]),
+                                       lax.broadcast_in_dim(s_lo, piece.shape, [0]))
+                        my_kt[:, pl.ds(k * 64, 64)] = (piece * sc).astype(jnp.bfloat16)
+
+                for nc, fp8 in zip(n_chunks, is_fp8):   # the producer walks the same pools and chunks in the same order
+
+                    def chunk(c, carry, fp8=fp8):
                         acc, m, l = carry
                         plgpu.barrier_wait(ids_bar)
-                        plgpu.barrier_wait(full_bar)
+                        plgpu.barrier_wait(full8_bar if fp8 else full_bar)
                         ids = cast(small[pl.ds(0, BLOCK_KV)], COL)
                         # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
-                        for k in range(dh // 64):
-                            piece = cast(stage[:, pl.ds(wg * dh + k * 64, 64)], TILE)
-                            my_kt[:, pl.ds(k * 64, 64)] = piece
+                        (relayout_fp8 if fp8 else relayout_bf16)()
                         plgpu.barrier_arrive(free_bar)
                         plgpu.commit_smem()
 
@@ -249,19 +376,38 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                 plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
                 plgpu.wait_smem_to_gmem(0)
 
+        # Staging: bf16 rows for bf16 pools; fp8 rows + their scales for fp8 pools. With both
+        # kinds of pool the two layouts share the same bytes (a chunk is only ever read through
+        # the view it was written through, and the staging release orders the chunks).
+        stage_bf16 = plgpu.SMEM((BLOCK_KV, d + STAGE_PAD), jnp.bfloat16)
+        stage_fp8 = (plgpu.SMEM((BLOCK_KV, d + STAGE_PAD_FP8), jnp.float8_e4m3fn),
+                     plgpu.SMEM((BLOCK_KV, SCALE_LINE + SCALE_PAD), jnp.float32))
+        if not any_fp8:
+            stages, unpack = stage_bf16, lambda s: (s, None, None)
+        elif not any_bf16:
+            stages, unpack = stage_fp8, lambda s: (None, *s)
+        elif interpreting:   # no RefUnion in the 0.10 interpreter (nor any shared-memory limit)
+            stages, unpack = (stage_bf16, stage_fp8), lambda s: (s[0], *s[1])
+        else:
+            stages, unpack = plgpu.RefUnion(stage_bf16, stage_fp8), lambda s: (s[0], *s[1])
+
+        def scoped_unpacked(q_smem, stages_ref, *rest):
+            return scoped(q_smem, unpack(stages_ref), *rest)
+
         pl.run_scoped(
-            scoped,
+            scoped_unpacked,
             plgpu.SMEM((2, HEADS, dh), jnp.bfloat16, transforms=tiled),       # q, then out, per WG
-            plgpu.SMEM((BLOCK_KV, d + STAGE_PAD), jnp.bfloat16),              # staging rows
+            stages,                                                           # staging rows
             plgpu.SMEM((2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled),    # K=V tiles per WG
             plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((BLOCK_KV + HEADS,), jnp.int32),                       # chunk's indices, sink bits
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
             plgpu.Barrier(),                                                  # chunk's ids landed
-            plgpu.Barrier(num_arrivals=BLOCK_KV),                             # staging full
+            plgpu.Barrier(num_arrivals=BLOCK_KV),                             # staging full (bf16)
             plgpu.Barrier(num_arrivals=2),                                    # staging free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
+            *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if any_fp8 else []),  # staging full (fp8)
             collective_axes="wg",
         )
 
@@ -278,5 +424,5 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params(interpret),
     )
-    flat = [a for pool in pools for a in pool]
+    flat = [a for pool in pools for a in pool if a is not None]
     return kernel(q, lax.bitcast_convert_type(sink.astype(jnp.float32), jnp.int32), *flat)

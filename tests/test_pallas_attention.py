@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mega.attention import attention
-from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
+from pallas_kernels.sparse_attention import Fp8Pool, dequantize_fp8, quantize_fp8, sparse_mqa, sparse_mqa_reference
 
 _seeds = itertools.count(1000)
 
@@ -25,19 +25,41 @@ def _rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+def _fp8_quantise(x):
+    """MODEL_SPEC §3.5 FP8 block 32 UE8M0, written out independently of the kernel module:
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)) per 32 channels, values e4m3-rounded (RNE)."""
+    x = np.asarray(x, np.float32)
+    n, d = x.shape
+    blocks = x.reshape(n, d // 32, 32)
+    amax = np.maximum(np.abs(blocks).max(-1), 1e-4)
+    scale = np.exp2(np.ceil(np.log2(amax / np.float32(448)))).astype(np.float32)
+    vals = np.clip(blocks / scale[..., None], -448, 448).reshape(n, d)
+    return jnp.asarray(vals).astype(jnp.float8_e4m3fn), jnp.asarray(scale)
+
+
 def _case(t_len, heads, d, pools):
-    """Random q, sink and pools [(N, S)], with ragged masks, duplicates and a fully masked row."""
+    """Random q, sink and pools [(N, S)] or [(N, S, "fp8")], with ragged masks, duplicates and a
+    fully masked row. fp8 pools get a spread of magnitudes across rows and 32-channel blocks, so
+    the per-block scales differ (and some blocks are tiny, hitting the 1e-4 amax floor)."""
     ks = jax.random.split(_key(), 2 + 2 * len(pools))
     q = jax.random.normal(ks[0], (t_len, heads, d), jnp.bfloat16)
     sink = jax.random.normal(ks[1], (heads,), jnp.float32)
     out = []
-    for i, (n, s) in enumerate(pools):
-        kv = (2 * jax.random.normal(ks[2 + 2 * i], (n, d))).astype(jnp.bfloat16)
+    for i, (n, s, *kind) in enumerate(pools):
+        if kind == ["fp8"]:
+            ka, kb = jax.random.split(ks[2 + 2 * i])
+            mag = np.exp2(np.asarray(jax.random.randint(kb, (n, d // 32), -8, 5))).astype(np.float32)
+            mag[0, 0] = 1e-7                                   # an all-but-zero block
+            x = np.asarray(jax.random.normal(ka, (n, d))) * np.repeat(mag, 32, 1)
+            kv8, scale = _fp8_quantise(x)
+            kv = (kv8, scale)
+        else:
+            kv = ((2 * jax.random.normal(ks[2 + 2 * i], (n, d))).astype(jnp.bfloat16),)
         idx = np.array(jax.random.randint(ks[3 + 2 * i], (t_len, s), -1, n, jnp.int32))
         idx[0, : s // 2] = idx[0, 0]            # duplicate rows count once per slot, like the reference
         idx[min(1, t_len - 1)] = -1             # a query with no visible key in any pool
         idx[-1, ::3] = -1                       # ragged: some empty slots
-        out.append((kv, jnp.asarray(idx)))
+        out.append(Fp8Pool(*kv, jnp.asarray(idx)) if len(kv) == 2 else (*kv, jnp.asarray(idx)))
     return q, out, sink, min(1, t_len - 1)
 
 
@@ -56,6 +78,8 @@ def gpu_interpret():
 @pytest.mark.parametrize("t_len,heads,d,pools", [
     (3, 64, 128, [(300, 64), (200, 100)]),    # window + compressed pool, S=100 pads to 128
     (2, 128, 256, [(150, 70)]),               # two head groups, one pool
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)]),   # V4.1 layout: fp8 window + bf16 compressed
+    (2, 64, 256, [(150, 70, "fp8")]),         # fp8 only (N=150: the scale lines need a pad row)
 ])
 def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools):
     q, pools, sink, masked = _case(t_len, heads, d, pools)
@@ -85,13 +109,36 @@ def test_model_attention_dispatches_to_the_kernel(monkeypatch):
     assert _rel_err(got, ref) < 1e-2
 
 
+def test_fp8_quantiser_matches_the_spec():
+    x = np.asarray(jax.random.normal(_key(), (64, 512))) * np.exp2(np.asarray(jax.random.randint(_key(), (64, 512), -20, 20)))
+    x[3, 32:64] = 0.0                                                 # amax floor
+    kv8, scale = quantize_fp8(jnp.asarray(x))
+    want8, want_scale = _fp8_quantise(x)
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want_scale))
+    np.testing.assert_array_equal(np.asarray(kv8, np.float32), np.asarray(want8, np.float32))
+    s = np.asarray(scale)
+    assert np.all(np.exp2(np.round(np.log2(s))) == s)                 # powers of two
+    deq = np.asarray(dequantize_fp8(kv8, scale))
+    assert np.all(np.abs(deq - x) <= np.abs(x) / 16 + np.repeat(s, 32, 1) * 2 ** -9)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
 @pytest.mark.parametrize("t_len", [4 * 64, 4096])   # a decode step (64 requests x 4) and a prefill chunk
-def test_cross_lowering_v41_shapes(t_len):
-    """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512."""
+def test_cross_lowering_v41_shapes(t_len, kinds):
+    """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
+    (fp8+bf16 is the tightest: both staging layouts share one buffer, 226 KB of 227)."""
     heads, d = 64, 512
     q = jax.ShapeDtypeStruct((t_len, heads, d), jnp.bfloat16)
-    pools = [(jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((t_len, s), jnp.int32))
-             for n, s in [(128 * 256, 128), (32768 * 64, 512)]]
+
+    def pool(n, s, fp8):
+        idx = jax.ShapeDtypeStruct((t_len, s), jnp.int32)
+        if fp8:
+            return Fp8Pool(jax.ShapeDtypeStruct((n, d), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((n, d // 32), jnp.float32), idx)
+        return jax.ShapeDtypeStruct((n, d), jnp.bfloat16), idx
+
+    fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
+    pools = [pool(n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
     sink = jax.ShapeDtypeStruct((heads,), jnp.float32)
     fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5))
     text = fn.trace(q, pools, sink).lower(lowering_platforms=("cuda",)).as_text()
