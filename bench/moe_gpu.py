@@ -12,6 +12,11 @@ over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
 copy bandwidth), bytes = weights + rows in + rows out.
 
+Up to 256 rows per expert, ``T…_fp8w`` cases also run the kernels on fp8 e4m3 weights with
+128 x 128 block scales (dequantised in-kernel), checked against the fp32 reference on the
+dequantised weights, against their own roofline (half the weight bytes). No peer here takes
+block-scaled fp8 grouped weights on Hopper (GPU_KERNELS.md §5), so those rows have none.
+
     python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--plot results.png]
 """
 from __future__ import annotations
@@ -29,7 +34,8 @@ import numpy as np
 from gpu_common import ceilings, rel_err, roofline_ms, run_info, time_jax, time_torch, torch, write
 
 from mega.moe import aligned_layout  # noqa: E402
-from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32
+from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
+                                         swiglu_f32)
 
 E, D, I = 6, 5120, 2304
 INTERPRET = None  # --smoke: tiny shapes through the Mosaic GPU interpreter on CPU
@@ -158,9 +164,30 @@ def run_case(t, routing, ceil, rows, roof):
             "hidden": D, "intermediate": I, "dtype": "bf16"}
     key = f"T{t}_{routing}"
     flops = 2 * 3 * n * D * I
-    nbytes = 3 * E * I * D * 2 + 2 * n * D * 2
-    roof[key] = roofline_ms(flops, nbytes, ceil)
-    variants = impls(xs, w1, w3, w2, counts)
+    roof[key] = roofline_ms(flops, 3 * E * I * D * 2 + 2 * n * D * 2, ceil)
+    measure(key, case, impls(xs, w1, w3, w2, counts), ref, rows, roof)
+    if t <= 256:  # fp8 weights: the weight-streaming (decode) regime, against its own roofline
+        q1, q3, q2 = (QuantizedWeight.from_float(w) for w in (w1, w3, w2))
+        ref = np.asarray(reference(xs, *(q.dequantized() for q in (q1, q3, q2)),
+                                   tuple(int(c) for c in counts)))
+        fp8_bytes = 3 * E * I * D * (1 + 4 / 128 ** 2) + 2 * n * D * 2
+        roof[key + "_fp8w"] = roofline_ms(flops, fp8_bytes, ceil)
+        measure(key + "_fp8w", {**case, "dtype": "fp8 e4m3 weights, 128x128 block scales"},
+                fp8_impls(xs, q1, q3, q2, counts), ref, rows, roof)
+
+
+def fp8_impls(xs, q1, q3, q2, counts):
+    n = int(counts.sum())
+    cu = cd = GemmConfig(64, 128, 64, 4)
+    x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
+    fn = jax.jit(lambda x, a, b, c, be: grouped_matmul(
+        grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
+        interpret=INTERPRET))
+    return {"megajax_fp8w[1wg:64x128x64/4,128x64/4]": ("jax", fn, (x_al, q1, q3, q2, block_expert),
+                                                       lambda y: y[dest])}
+
+
+def measure(key, case, variants, ref, rows, roof):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:  # compile this case's JAX variants side by side
         futures = {name: pool.submit(lambda f, a: f.lower(*a).compile(), fn, args)
@@ -208,7 +235,7 @@ def plot(payload, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, routing in zip(axes, ("balanced", "skewed")):
-        keys = [k for k in payload["roofline_ms"] if k.endswith(routing)]
+        keys = [k for k in payload["roofline_ms"] if k.endswith(routing)]  # bf16 cases
         ts = [int(k[1:].split("_")[0]) for k in keys]
         ax.plot(ts, [payload["roofline_ms"][k] for k in keys], "k--", label="roofline")
         families = sorted({r["impl"].split("[")[0] for r in payload["rows"] if "rel_err" in r})

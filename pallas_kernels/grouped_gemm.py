@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,38 @@ class GemmConfig:
         return self.block_m * self.compute_wgs
 
 
+class QuantizedWeight(NamedTuple):
+    """An fp8 e4m3 expert stack ``q [E, N, K]`` with one fp32 scale per 128 x 128 block,
+    ``scale [E, N / 128, K / 128]`` (DeepSeek's block-scaled layout): ``w = q * scale``."""
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @classmethod
+    def from_float(cls, w: jax.Array) -> "QuantizedWeight":
+        """Block-quantise ``[..., N, K]`` weights: power-of-two scale per 128 x 128 block."""
+        *lead, n, k = w.shape
+        blocks = w.astype(jnp.float32).reshape(*lead, n // 128, 128, k // 128, 128)
+        scale = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), 1e-30) / 448))
+        full = jnp.repeat(jnp.repeat(scale, 128, axis=-2), 128, axis=-1)
+        return cls((w / full).astype(jnp.float8_e4m3fn), scale)
+
+    def dequantized(self, dtype=jnp.float32):
+        s = jnp.repeat(jnp.repeat(self.scale, 128, axis=-2), 128, axis=-1)
+        return (self.q.astype(jnp.float32) * s).astype(dtype)
+
+    def swapped(self):
+        return QuantizedWeight(jnp.swapaxes(self.q, 1, 2), self.scale)
+
+
+def _one_expert(w):
+    """A single expert's weight as a stack of one."""
+    return QuantizedWeight(w.q[None], w.scale[None]) if isinstance(w, QuantizedWeight) else w[None]
+
+
 def _transposed(ref):
     """The ``[n, k]`` weight tile viewed as ``[k, n]`` (the API moved in JAX 0.11)."""
     if hasattr(plgpu, "transpose_ref") and jax.__version_info__ < (0, 11):
@@ -69,37 +101,56 @@ def swiglu_f32(gate, up, limit: float):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
+    """Block scales at tile granularity ``[E, N / bn, steps]``, rows padded to 16 bytes (TMA)."""
+    t = jnp.repeat(jnp.repeat(w.scale, 128 // bn, axis=1), 128 // bk, axis=2)
+    return jnp.pad(t, ((0, 0), (0, 0), (0, -n_steps % 4)))
+
+
 def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret):
-    """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]``; expert ids number the
-    stacks' experts consecutively (the routed stack, then e.g. the shared expert as one more)."""
+    """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]`` (bf16, or fp8 as
+    ``QuantizedWeight``); expert ids number the stacks' experts consecutively (the routed
+    stack, then e.g. the shared expert as one more)."""
     m, k = lhs.shape
     n = stacks[0][0].shape[1]
     n_ops = len(stacks[0])
-    # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
-    # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
-    kn = interpret is not None
-    if kn:
-        stacks = tuple(tuple(jnp.swapaxes(w, 1, 2) for w in st) for st in stacks)
-    first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
     rows, bm, bn, bk = cfg.rows, cfg.block_m, cfg.block_n, cfg.block_k
     if m % rows or n % bn or k % bk:
         raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({rows}, {bn}, {bk})")
     if block_expert.shape != (m // rows,):
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
+    quantized = any(isinstance(w, QuantizedWeight) for st in stacks for w in st)
+    if quantized and (cfg.compute_wgs != 1 or 128 % bn or 128 % bk or n % 128 or k % 128):
+        raise NotImplementedError("fp8 weights need one compute warpgroup and tiles dividing 128")
+    # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
+    # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
+    kn = interpret is not None
+    if kn:
+        stacks = tuple(tuple(w.swapped() if isinstance(w, QuantizedWeight) else jnp.swapaxes(w, 1, 2)
+                             for w in st) for st in stacks)
+    first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
+    steps = k // bk
+    tile = (bk, bn) if kn else (bn, bk)
     acc_shapes = [plgpu.ACC((bm, bn))] * n_ops
+    # kernel operands per stack: each weight, then the tile scales of its fp8 weights
+    flat = []
+    for st in stacks:
+        flat += [w.q if isinstance(w, QuantizedWeight) else w for w in st]
+        flat += [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
 
     def per_stack(expert, w_gmem, run):
-        """``run(weight refs of this expert)`` under the stack that owns ``expert``."""
+        """``run(weights, scale rows)`` with this expert's refs, under the stack that owns it."""
         for lo, st in zip(first, stacks):
-            refs, w_gmem = w_gmem[:n_ops], w_gmem[n_ops:]
+            n_q = sum(isinstance(w, QuantizedWeight) for w in st)
+            refs, scales, w_gmem = w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q], w_gmem[n_ops + n_q:]
 
             @pl.when((expert >= lo) & (expert < lo + st[0].shape[0]))
-            def _(refs=refs, lo=lo):
-                run(tuple(w.at[expert - lo] for w in refs))
+            def _(refs=refs, scales=scales, lo=lo):
+                run(tuple(w.at[expert - lo] for w in refs), tuple(s.at[expert - lo] for s in scales))
 
     def in_specs(mi, ni, delay_release):
-        w_spec = (plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=delay_release) if kn
-                  else plgpu.BlockSpec((bn, bk), lambda s: (ni, s), delay_release=delay_release))
+        w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
+                                 delay_release=delay_release)
         return [plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release)] + [
             w_spec] * n_ops
 
@@ -118,13 +169,42 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
         expert = block_expert_gmem[mi]
 
+        def run(accs, w, scales):
+            if not scales:  # bf16: delay_release=1 refills a slot after the next wgmma issues
+                plgpu.emit_pipeline(lambda _, x, *w_smem: mma(accs, x, w_smem), grid=(steps,),
+                                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages,
+                                    )(lhs_gmem, *w)
+                return
+
+            def dequant(s_smem, wb_smem, barrier):
+                # this CTA's tile scales, then per step: fp8 tile → registers → scaled bf16 tile
+                for j, sc in enumerate(scales):
+                    plgpu.copy_gmem_to_smem(sc.at[ni], s_smem.at[j], barrier.at[j])
+                    plgpu.barrier_wait(barrier.at[j])
+
+                def step(idx, x, *w_smem):
+                    plgpu.wgmma_wait(0)  # the last step's wgmma has read the bf16 tiles
+                    tiles, j = [], 0
+                    for wt, wq in zip(w_smem, w):
+                        if wq.dtype == jnp.bfloat16:
+                            tiles.append(wt)
+                            continue
+                        wb_smem[j] = (wt[...].astype(jnp.float32) * s_smem[j, idx[0]]).astype(jnp.bfloat16)
+                        tiles.append(wb_smem.at[j])
+                        j += 1
+                    plgpu.commit_smem()
+                    mma(accs, x, tiles)
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
+                                    max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
+            n_q = len(scales)
+            pl.run_scoped(dequant, plgpu.SMEM((n_q, steps + (-steps % 4)), jnp.float32),
+                          plgpu.SMEM((n_q, *tile), jnp.bfloat16),
+                          plgpu.Barrier(num_arrivals=1, num_barriers=n_q))
+
         @pl.when(expert >= 0)
         def _():
             def scope(*accs):
-                # delay_release=1: a slot is refilled only after the next step's wgmma is issued
-                per_stack(expert, w_gmem, lambda w: plgpu.emit_pipeline(
-                    lambda _, x, *w_smem: mma(accs, x, w_smem), grid=(k // bk,),
-                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages)(lhs_gmem, *w))
+                per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
                 pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
                     pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]), plgpu.SMEM((bm, bn), lhs.dtype))
             pl.run_scoped(scope, *acc_shapes)
@@ -136,7 +216,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
         def pipeline(step, context):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(k // bk,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
+                step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
                 compute_context=context)
 
@@ -147,7 +227,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             return accs
 
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*shapes),
@@ -162,7 +241,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 pl.run_scoped(scope, *acc_shapes)
 
             per_stack(expert, w_gmem,
-                      lambda w: pipeline(step, context)(lhs_gmem, *w, allocations=allocs))
+                      lambda w, _: pipeline(step, context)(lhs_gmem, *w, allocations=allocs))
 
     ws = cfg.compute_wgs > 1
     kernel = plgpu.kernel(
@@ -171,7 +250,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *(w for st in stacks for w in st))
+    return kernel(block_expert, lhs, *flat)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
@@ -179,10 +258,11 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None,
                    cfg: GemmConfig = GemmConfig(), interpret=None):
     """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // cfg.rows]``.
 
-    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]``; ``shared = (w1 [I, D],
-    w3 [I, D])`` makes expert id ``E`` the shared expert. Returns ``[M, I]`` in x's dtype.
+    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight``
+    (fp8, one warpgroup configs); ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
+    the shared expert. Returns ``[M, I]`` in x's dtype.
     """
-    stacks = ((w1, w3),) + (() if shared is None else (tuple(w[None] for w in shared),))
+    stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared)),))
     return _grouped_kernel(x, stacks, block_expert,
                            lambda g, u: swiglu_f32(g, u, limit), cfg, interpret)
 
@@ -192,11 +272,12 @@ def grouped_matmul(h, w2, block_expert, *, shared=None, cfg: GemmConfig = GemmCo
                    interpret=None):
     """``out[r] = h[r] @ w2[e]ᵀ`` with ``e = block_expert[r // cfg.rows]``; w2 ``[E, D, I]``,
     ``shared`` ``[D, I]`` is expert ``E``."""
-    stacks = ((w2,),) + (() if shared is None else ((shared[None],),))
+    stacks = ((w2,),) + (() if shared is None else ((_one_expert(shared),),))
     return _grouped_kernel(h, stacks, block_expert, lambda acc: acc, cfg, interpret)
 
 
 def _per_row_weights(w, block_expert, rows, shared):
+    w, shared = (v.dequantized() if isinstance(v, QuantizedWeight) else v for v in (w, shared))
     if shared is not None:
         w = jnp.concatenate([w, shared[None]])
     return w[jnp.maximum(jnp.repeat(block_expert, rows), 0)]

@@ -14,8 +14,9 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from mega.moe import MoeSpec, aligned_layout, moe
-from pallas_kernels.grouped_gemm import (GemmConfig, grouped_matmul, grouped_matmul_reference,
-                                         grouped_swiglu, grouped_swiglu_reference)
+from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul,
+                                         grouped_matmul_reference, grouped_swiglu,
+                                         grouped_swiglu_reference)
 
 INTERPRET = InterpretGPUParams(detect_races=True)
 
@@ -57,6 +58,35 @@ def test_grouped_kernels_match_reference(cfg):
         assert rel(got, np.asarray(want, np.float32)[rows]) < 1e-2
 
 
+def quantized(key, shape):
+    return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
+
+
+def test_fp8_block_scaled_weights_match_reference():
+    """fp8 routed and shared experts, dequantised in the kernel (one warpgroup)."""
+    cfg, e, d, inter, limit = GemmConfig(64, 64, 64, 2), 2, 128, 256, 3.0
+    rng = np.random.default_rng()
+    sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
+    n = int(sizes.sum())
+    dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 7)
+    x = jnp.zeros((m_pad, d), jnp.bfloat16).at[dest].set(jax.random.normal(keys[0], (n, d), jnp.bfloat16))
+    w1, w3 = quantized(keys[1], (e, inter, d)), quantized(keys[2], (e, inter, d))
+    w2 = quantized(keys[3], (e, d, inter))
+    shared_up = quantized(keys[4], (inter, d)), quantized(keys[5], (inter, d))
+    shared_down = quantized(keys[6], (d, inter))
+    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, cfg=cfg,
+                       interpret=INTERPRET)
+    out = grouped_matmul(h, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
+    rows = np.asarray(dest)
+    for got, want in ((h, grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows,
+                                                   shared=shared_up)),
+                      (out, grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared_down))):
+        got, want = np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows]
+        assert np.isfinite(got).all() and np.abs(want).max() > 0
+        assert rel(got, want) < 1e-2
+
+
 def test_aligned_layout_places_every_row_in_its_experts_blocks():
     rng = np.random.default_rng()
     e, rows = 7, 16
@@ -96,19 +126,27 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch):
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
-@pytest.mark.parametrize("up,down", [
-    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)),
-    (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)),
-    (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2)),
+@pytest.mark.parametrize("up,down,fp8", [
+    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4), False),
+    (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2), False),
+    (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), False),
+    # fp8: one warpgroup, tiles within a 128 x 128 scale block
+    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
 ])
-def test_kernels_lower_for_cuda_at_v41_shapes(up, down):
+def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
     layouts and the 227 KiB shared-memory budget are checked without a GPU."""
     e, d, inter, m = 6, 5120, 2304, up.rows * 8
     sds = jax.ShapeDtypeStruct
+
+    def weight(shape):
+        if not fp8:
+            return sds(shape, jnp.bfloat16)
+        return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
+                               sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i: grouped_swiglu(x, a, b, i, limit=10.0, cfg=up)).trace(
-        sds((m, d), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16), sds((e, inter, d), jnp.bfloat16), be
+        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
-        sds((m, inter), jnp.bfloat16), sds((e, d, inter), jnp.bfloat16), be).lower(lowering_platforms=("cuda",))
+        sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
