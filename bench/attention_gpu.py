@@ -12,10 +12,17 @@ Implementations: ``pallas_bf16`` (pallas_kernels.sparse_attention.sparse_mqa) an
 query chunks where one shot would not fit, which the row says). Each kernel row carries
 ``rel_err`` against the fp32 reference (sparse_mqa_reference) on a sample of query tokens,
 ``rel_err_vs_xla`` over all tokens, and ``finite`` (no NaN/Inf anywhere in the output).
+``pallas_fp8`` is the same kernel with the V4.1 pool layout: the window pool in FP8 (e4m3 +
+one fp32 power-of-two scale per 32 channels, MODEL_SPEC §3.5, quantised from the bf16 window
+pool), the compressed pool in bf16 (the kernel has no FP4 path). Its ``rel_err`` is against the
+fp32 reference on the same fp8 pools (dequantised); ``quant_err`` is that reference against
+the bf16 one (the effect of the quantisation itself, not of the kernel).
 
 Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
-(counted per request for decode). Timing: ``gpu_common.time_jax_sets`` (back-to-back calls,
+(counted per request for decode). For ``pallas_fp8`` (``roofline_fp8_ms``, the row's own
+``bytes``) a distinct window row counts D + D/32*4 bytes (512 + 64) instead of 2*D; the kernel
+itself reads each row's scales as part of a 128-byte line (the bulk-copy granule). Timing: ``gpu_common.time_jax_sets`` (back-to-back calls,
 one wait, median of 5), rotating among input sets so that repeats do not run from L2.
 
     PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
@@ -39,7 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ceilings, rel_err, run_info, time_jax_sets, write  # noqa: E402
 
-from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference  # noqa: E402
+from pallas_kernels.sparse_attention import (  # noqa: E402
+    Fp8Pool, quantize_fp8, sparse_mqa, sparse_mqa_reference)
 
 L2_BYTES = 60e6
 
@@ -90,11 +98,9 @@ def make_case(kind, n, h, d, win, topk, comp_pool, rng):
         return q, jnp.asarray(widx, jnp.int32), jnp.asarray(cidx, jnp.int32)
 
     def distinct_rows(widx_, cidx_):
-        if kind == "decode":
-            rows = np.concatenate([widx_, cidx_ + reqs * win], 1)   # one id space over both pools
-        else:
-            rows = np.concatenate([widx_, cidx_ + n_win], 1)
-        return int(np.count_nonzero(np.bincount(rows.ravel())))
+        """(distinct window rows, distinct compressed rows) gathered by one input set."""
+        count = lambda r: int(np.count_nonzero(np.bincount(np.asarray(r).ravel())))  # noqa: E731
+        return count(widx_), count(cidx_)
 
     seed = int(rng.integers(1 << 30))
     pools = (jax.random.normal(jax.random.key(seed), (n_win, d), jnp.bfloat16),
@@ -118,7 +124,7 @@ def run(args):
     info = run_info()
     ceil = ceilings(smoke=smoke)
     print("ceilings:", json.dumps(ceil), flush=True)
-    rows, roof = [], {}
+    rows, roof, roof8 = [], {}, {}
     rng = np.random.default_rng(0)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
 
@@ -129,7 +135,9 @@ def run(args):
             t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
             case["T"] = t
             q0, w0, c0 = draw(1)
-            kv_bytes = distinct_rows(np.asarray(w0), np.asarray(c0)) * d * 2
+            n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
+            kv_bytes = (n_w + n_c) * d * 2
+            kv8_bytes = n_w * (d + d // 32 * 4) + n_c * d * 2     # fp8 window rows + their scales
             qo_bytes = 2 * t * h * d * 2
             set_bytes = kv_bytes + qo_bytes
             n_sets = 2 if smoke else min(8, max(2, math.ceil(2 * L2_BYTES / set_bytes)))
@@ -137,8 +145,10 @@ def run(args):
             flops = 4 * t * h * (win + topk) * d
             nbytes = kv_bytes + qo_bytes
             roof[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes / ceil["bandwidth_GBps"] / 1e6)
-            case.update(flops=flops, bytes=nbytes, input_sets=n_sets)
-            print(f"{key}: T={t} sets={n_sets} roofline {roof[key]:.3f} ms", flush=True)
+            nbytes8 = kv8_bytes + qo_bytes
+            roof8[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes8 / ceil["bandwidth_GBps"] / 1e6)
+            case.update(flops=flops, bytes=nbytes, bytes_fp8=nbytes8, input_sets=n_sets)
+            print(f"{key}: T={t} sets={n_sets} roofline {roof[key]:.3f} ms (fp8 window: {roof8[key]:.3f} ms)", flush=True)
         except Exception as e:  # noqa: BLE001
             rows.append({"case": case, "impl": "setup", "ms": None, "error": repr(e)})
             traceback.print_exc()
@@ -147,43 +157,54 @@ def run(args):
         # the pools are arguments, not closure constants: captured, they would be baked into
         # the executable (GBs of constants and minutes of compilation)
         pools_of = lambda w, c: [(wkv, w), (ckv, c)]  # noqa: E731  (untimed reference only)
+        wkv8, wsc = jax.jit(quantize_fp8)(wkv)      # the window pool in FP8 (MODEL_SPEC §3.5)
+        sets8 = [(q_, w_, c_, wkv8, wsc, ckv) for q_, w_, c_ in sets]
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
         kernel = jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale))
+        kernel8 = jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
         sample = np.unique(np.linspace(0, t - 1, min(t, 256)).astype(int))
         q, w, c = sets[0][:3]
         ref = sparse_mqa_reference(q[sample], pools_of(w[sample], c[sample]), sink, scale)
+        ref8 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), (ckv, c[sample])], sink, scale)
 
         xla_out = None
-        for impl, fn in (("xla_bf16", xla), ("pallas_bf16", kernel)):
+        for impl, fn in (("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8)):
+            fp8 = impl == "pallas_fp8"
+            fn_sets, impl_ref = (sets8, ref8) if fp8 else (sets, ref)
             row = {"case": case, "impl": impl, "ms": None, "rel_err": None, "error": None}
             if impl == "xla_bf16" and chunk:
                 row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
+            if fp8:
+                row["note"] = "window pool fp8 e4m3 + per-32 fp32 UE8M0 scales, compressed pool bf16"
+                row["quant_err"] = rel_err(ref8, ref)
             try:
-                out = jax.block_until_ready(fn(*sets[0]))
+                out = jax.block_until_ready(fn(*fn_sets[0]))
                 row["finite"] = bool(jnp.isfinite(out).all())
-                row["rel_err"] = rel_err(out[sample], ref)
+                row["rel_err"] = rel_err(out[sample], impl_ref)
                 if xla_out is None:
                     xla_out = out
-                else:
+                elif not fp8:     # (the fp8 row differs from the bf16 XLA path by quant_err)
                     row["rel_err_vs_xla"] = rel_err(out, xla_out)
-                row["ms"] = time_jax_sets(fn, sets, **({"inner": 2, "reps": 1} if smoke else {}))
-                row["GBps"] = case["bytes"] / row["ms"] / 1e6
+                row["ms"] = time_jax_sets(fn, fn_sets, **({"inner": 2, "reps": 1} if smoke else {}))
+                row["bytes"] = case["bytes_fp8"] if fp8 else case["bytes"]
+                row["roofline_ms"] = (roof8 if fp8 else roof)[key]
+                row["GBps"] = row["bytes"] / row["ms"] / 1e6
                 row["TFLOPs"] = case["flops"] / row["ms"] / 1e9
-                row["frac_of_roofline"] = roof[key] / row["ms"]
+                row["frac_of_roofline"] = row["roofline_ms"] / row["ms"]
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:2000]
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del sets, xla_out
+        del sets, sets8, xla_out
         # written after every case: a hang or crash later still leaves the rows so far
-        payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof}
+        payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8}
         path = write("attention_gpu", payload)
 
-    payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof}
+    payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8}
     path = write("attention_gpu", payload)
     print(f"\nwrote {path}\n")
     table(payload)
@@ -194,7 +215,7 @@ def table(payload):
     print(f"{'case':>16} {'impl':>12} {'ms':>9} {'roof ms':>9} {'%roof':>6} {'GB/s':>7} {'TFLOP/s':>8} {'rel_err':>8}")
     for r in payload["rows"]:
         key = f"{r['case']['kind']}-{r['case']['n']}"
-        roof = payload["roofline_ms"].get(key)
+        roof = r.get("roofline_ms") or payload["roofline_ms"].get(key)
         if r.get("ms") is None:
             print(f"{key:>16} {r['impl']:>12}  failed: {str(r.get('error'))[:80]}")
             continue
@@ -214,6 +235,10 @@ def plot(path: Path):
     keys = list(payload["roofline_ms"])
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.plot(keys, [payload["roofline_ms"][k] for k in keys], "k--", label="roofline")
+    roof8 = payload.get("roofline_fp8_ms") or {}
+    if roof8:
+        ax.plot([k for k in keys if k in roof8], [roof8[k] for k in keys if k in roof8], "k:",
+                label="roofline, fp8 window")
     for impl in sorted({r["impl"] for r in payload["rows"]}):
         pts = {f"{r['case']['kind']}-{r['case']['n']}": r["ms"] for r in payload["rows"]
                if r["impl"] == impl and r.get("ms")}

@@ -20,7 +20,7 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   issues one contiguous 1-D bulk copy per row (``cp.async.bulk``, 1 KB for D=512, no tensor
   map) into a plain row-major *staging* buffer, and each compute warpgroup re-lays its half of
   the chunk from staging into a swizzled tiled buffer through registers (load in the WGMMA
-  layout, store tiled). That pass is also where the fp8 variant will dequantise.
+  layout, store tiled). That pass is also where fp8 pools are dequantised (below).
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
   the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
   Q, of K = V and of the output. QK^T then yields only a partial logit tile per warpgroup
@@ -28,8 +28,19 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   memory and summed (fp32 addition commutes, so both warpgroups get bitwise the same logits,
   hence the same softmax). Each warpgroup then runs P @ V on its own D half: no redundant
   MMA work, and K/V tiles are only ever read by the warpgroup that re-laid them.
-* Fused: gather + QK^T + mask + sink + online softmax + PV + normalisation +
-  bf16 cast in one launch (fp8 KV is not done yet; its dequant belongs in the re-layout). Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
+* FP8 pools (MODEL_SPEC §3.5: e4m3 values, one power-of-two fp32 scale per 32 channels;
+  V4.1 keeps its window KV so): the producer bulk-copies each gathered row's 512 bytes into an
+  fp8 staging buffer and, next to it, the 128-byte line of fp32 scales that holds the row's 16
+  scales (Mosaic GPU's bulk copies move multiples of 128 bytes, a row's scales are 64: the
+  scales are viewed as lines [N*16/32, 32], two rows per line at D=512, and the compute side
+  picks the row's half by the parity of its id). The re-layout loads the fp8 piece in the WGMMA
+  layout, converts e4m3 -> f16 -> f32, multiplies by the row's scale for the column's group
+  (two per-row scale vectors per 64-column piece, selected by column), and stores bf16 into the
+  same swizzled tiles: every later step is the bf16 kernel's. The products are exact (e4m3
+  times a power of two fits bf16), so an fp8 pool gives the same result as the bf16 pool of
+  its dequantised values. Gathered bytes per row: 512 + 128 instead of 1024.
+* Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
+  bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
   they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
 
@@ -45,9 +56,21 @@ so the next chunk's row copies overlap the current chunk's QK^T / softmax / PV (
 the tiled buffer act as a 2-deep pipeline). Registers per compute thread: acc 128 (fp32
 [64, 256]) + logits 32 + P 16 + re-layout 8 per 64-column piece.
 
-Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's registers); each pool ``kv`` [N, D]
-bf16, ``idx`` [T, S] int32 with entries in [-1, N) (masked slots fetch row 0, which keeps
-P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite.
+With fp8 pools the staging is 64 x (512 + 16) bytes of e4m3 plus 64 x (32 + 4) fp32 scale
+lines = 42 KB instead of 65 KB: fp8-only kernels use 203 KB. With both kinds of pool (the V4.1
+layout) the two staging layouts share one 65 KB buffer (``plgpu.RefUnion``; a chunk is only
+read through the view it was written through, and the staging release orders the chunks),
+plus one barrier for the fp8 chunks (64 x 2 copies): 231,472 bytes against bf16-only's 231,464.
+
+Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
+registers); ``pools`` a sequence of
+  * bf16 pools ``(kv, idx)``: ``kv`` [N, D] bf16, or
+  * fp8 pools ``Fp8Pool(kv, scale, idx)`` (or the plain tuple ``(kv, scale, idx)``): ``kv``
+    [N, D] float8_e4m3fn, ``scale`` [N, D // 32] float32 powers of two (``quantize_fp8``
+    makes both), D in (128, 256, 512); keep N a multiple of 128 // (D/8) (2 at D=512), or
+    each call pads the scales by a copy;
+each with ``idx`` [T, S] int32, entries in [-1, N) (masked slots fetch row 0, which keeps
+P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kinds in any order.
 """
 from __future__ import annotations
 
@@ -190,7 +213,11 @@ def _interpret_params(interpret):
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
-    """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring)."""
+    """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
+
+    ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
+    ``sparse_mqa(q, [Fp8Pool(*quantize_fp8(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+    """
     t_len, n_heads, d = q.shape
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
