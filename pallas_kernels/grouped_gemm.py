@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.compat import transposed
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -85,13 +87,6 @@ class QuantizedWeight(NamedTuple):
 def _one_expert(w):
     """A single expert's weight as a stack of one."""
     return QuantizedWeight(w.q[None], w.scale[None]) if isinstance(w, QuantizedWeight) else w[None]
-
-
-def _transposed(ref):
-    """The ``[n, k]`` weight tile viewed as ``[k, n]`` (the API moved in JAX 0.11)."""
-    if hasattr(plgpu, "transpose_ref") and jax.__version_info__ < (0, 11):
-        return plgpu.transpose_ref(ref, (1, 0))
-    return ref.transpose((1, 0))
 
 
 def swiglu_f32(gate, up, limit: float):
@@ -156,7 +151,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     def mma(accs, x_smem, w_smem):
         for acc, w in zip(accs, w_smem):
-            plgpu.wgmma(acc, x_smem, w if kn else _transposed(w))
+            plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
     def store(accs, o_smem, o_gmem):
         o_smem[...] = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)

@@ -84,6 +84,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax._src import config  # the (private) switch behind force_gpu_interpret_mode
 
+from pallas_kernels.compat import transposed
+
 HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
 BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used for the re-layout is 64 rows)
 LOG2E = math.log2(math.e)
@@ -192,7 +194,7 @@ def _mma(acc, a, b_ref, *, transpose_b, interpreting):
         dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
         out = lax.dot_general(lhs, b_ref[...], dims, preferred_element_type=jnp.float32)
         return out if acc is None else acc + out
-    b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+    b = transposed(b_ref) if transpose_b else b_ref
     if acc is None:
         def fresh(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
