@@ -44,14 +44,21 @@ def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def fp8_block32_parts(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The stored form of the window-KV quantiser: e4m3 values ``[..., D]`` and one
+    power-of-two fp32 scale per 32 channels ``[..., D / 32]`` (what fp8 KV kernels read)."""
+    b = _blocks(x, 32)
+    scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4) * (1.0 / FP8_MAX))
+    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), scale[..., 0]
+
+
 def fp8_block32(x: jnp.ndarray) -> jnp.ndarray:
     """Window-KV quantiser: e4m3 with one power-of-two scale per 32 channels."""
     if x.shape[-1] % 32:
         return x
-    b = _blocks(x, 32)
-    scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4) * (1.0 / FP8_MAX))
-    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return (q * scale).reshape(x.shape).astype(x.dtype)
+    q, scale = fp8_block32_parts(x)
+    return (_blocks(q, 32) * scale[..., None]).reshape(x.shape).astype(x.dtype)
 
 
 def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:

@@ -66,8 +66,9 @@ Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the 
 registers); ``pools`` a sequence of
   * bf16 pools ``(kv, idx)``: ``kv`` [N, D] bf16, or
   * fp8 pools ``Fp8Pool(kv, scale, idx)`` (or the plain tuple ``(kv, scale, idx)``): ``kv``
-    [N, D] float8_e4m3fn, ``scale`` [N, D // 32] float32 powers of two (``quantize_fp8``
-    makes both), D in (128, 256, 512); keep N a multiple of 128 // (D/8) (2 at D=512), or
+    [N, D] float8_e4m3fn, ``scale`` [N, D // 32] float32 powers of two
+    (``model.quant.fp8_block32_parts`` makes both), D in (128, 256, 512); keep N a multiple
+    of 128 // (D/8) (2 at D=512), or
     each call pads the scales by a copy;
 each with ``idx`` [T, S] int32, entries in [-1, N) (masked slots fetch row 0, which keeps
 P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kinds in any order.
@@ -112,19 +113,6 @@ class Fp8Pool(NamedTuple):
     kv: jax.Array
     scale: jax.Array
     idx: jax.Array
-
-
-def quantize_fp8(x):
-    """MODEL_SPEC §3.5 FP8 block-32 UE8M0 quantiser along the last axis: ``(kv_fp8, scale)``
-    with ``s = pow2ceil(max(amax, 1e-4) / 448)`` (from the IEEE bits, so powers of two map to
-    themselves) and ``kv_fp8 = e4m3_rne(clamp(x / s, ±448))``; ``kv_fp8 * s`` is the fake-quant value."""
-    *lead, d = x.shape
-    xb = x.astype(jnp.float32).reshape(*lead, d // 32, 32)
-    t = jnp.maximum(jnp.abs(xb).max(-1), 1e-4) / 448.0
-    bits = lax.bitcast_convert_type(t, jnp.int32)
-    scale = lax.bitcast_convert_type((bits + 0x7FFFFF) & 0x7F800000, jnp.float32)
-    q = jnp.clip(xb / scale[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
-    return q.reshape(*lead, d), scale
 
 
 def dequantize_fp8(kv, scale):
@@ -218,7 +206,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
-    ``sparse_mqa(q, [Fp8Pool(*quantize_fp8(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+    ``sparse_mqa(q, [Fp8Pool(*fp8_block32_parts(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
     """
     t_len, n_heads, d = q.shape
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
