@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import HIGHEST, linear
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     wgmma warpgroup per 64-row tile streams the weights best; from 256 rows per expert two
     wgmma warpgroups fed by a TMA warpgroup win by 1.3-1.45x.
     """
-    from pallas_kernels.grouped_gemm import GemmConfig
     if n_rows >= 128 * n_experts:
         cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)
     else:
@@ -107,7 +107,6 @@ def _experts_pallas(xs, p, group_sizes, limit, cfgs, shared_rows=None):
     E: its weight tiles stream in the same wave as the routed ones (at decode sizes its CTAs
     take SMs the routed grid leaves idle). Returns the routed rows, then the shared rows.
     """
-    from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
     n_experts = p["w1"].shape[0]
     shared = None
     if shared_rows is not None:
