@@ -19,6 +19,12 @@ The shared expert rides along as one more expert id (a second weight stack, pick
 block), so routed and shared experts take two launches in all, and at decode sizes the
 shared expert's CTAs fill SMs that the routed grid leaves idle.
 
+fp8 weights (``QuantizedWeight``: e4m3 with one scale per 128 x 128 block, DeepSeek's
+layout) stream at half the bytes; Hopper's wgmma has no mixed fp8 x bf16 form, so each step
+dequantises the fp8 tile through registers into a bf16 tile (the CTA's tile scales are
+loaded once) before the wgmma. One compute warpgroup only: the decode regime, where the
+weight bytes are the cost.
+
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a
 grid-wide dependency per row block. At decode sizes the cost is one extra launch, at
