@@ -4,7 +4,8 @@
 ``pallas`` (kernels wherever lowering is possible), ``reference``, or ``interpret`` (the
 kernels through the Mosaic GPU interpreter on CPU: slow, for tests). Kernels also need
 bf16 activations and tile-divisible shapes; each operator falls back to its reference
-otherwise, so tiny fp32 test models keep the exact reference numerics.
+otherwise, so tiny fp32 test models keep the exact reference numerics. The choice is made
+when an operator is traced: jitted callers keep the choice of their first trace.
 """
 from __future__ import annotations
 
