@@ -8,8 +8,8 @@ GEMMs with ``lax.ragged_dot``, which is the dispatch shape the Pallas kernel kee
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
-weight scales each expert's output in the combine (the same value as scaling its SwiGLU
-activation, which is linear in the down projection), so one combine serves both paths.
+weight multiplies the SwiGLU activation before the down projection (it matters once h is
+rounded or requantised between the GEMMs), so the combine is a plain sum.
 
 On GPU (``mega.backend``) the expert stage runs the Pallas grouped kernels of
 ``pallas_kernels.grouped_gemm`` over block-aligned rows; routing, the sort and the combine
@@ -100,17 +100,20 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     return cfgs if use else None
 
 
-def _experts_pallas(xs, p, group_sizes, limit, cfgs, shared_rows=None):
+def _experts_pallas(xs, row_w, p, group_sizes, limit, cfgs, shared_rows=None):
     """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels.
 
-    ``shared_rows`` (the tokens) run the shared expert in the same two launches, as expert id
-    E: its weight tiles stream in the same wave as the routed ones (at decode sizes its CTAs
-    take SMs the routed grid leaves idle). Returns the routed rows, then the shared rows.
+    ``row_w`` scales each row's SwiGLU activation before the down projection (§3.9), one
+    fused elementwise pass between the two launches. ``shared_rows`` (the tokens) run the
+    shared expert in the same two launches, as expert id E (weight 1): its weight tiles
+    stream in the same wave as the routed ones (at decode sizes its CTAs take SMs the routed
+    grid leaves idle). Returns the routed rows, then the shared rows.
     """
     n_experts = p["w1"].shape[0]
     shared = None
     if shared_rows is not None:
         xs = jnp.concatenate([xs, shared_rows])
+        row_w = jnp.concatenate([row_w, jnp.ones(shared_rows.shape[0], row_w.dtype)])
         group_sizes = jnp.concatenate([group_sizes, jnp.array([shared_rows.shape[0]], jnp.int32)])
         shared = p["shared"]
     n, d = xs.shape
@@ -118,19 +121,21 @@ def _experts_pallas(xs, p, group_sizes, limit, cfgs, shared_rows=None):
     dest, block_expert, m_pad = aligned_layout(group_sizes, n, up_cfg.rows,
                                                n_experts + (shared is not None))
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
+    w_al = jnp.zeros((m_pad, 1), jnp.float32).at[dest, 0].set(row_w)
     interp = backend.interpret_params()
     h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp)
+    h = (h.astype(jnp.float32) * w_al).astype(xs.dtype)
     return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"])[dest]
 
 
-def _experts_reference(xs, w1, w3, w2, group_sizes, limit):
+def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
     def grouped(lhs, w):  # w: [E, out, in]
         return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
                                   preferred_element_type=jnp.float32)
-    h = swiglu(grouped(xs, w1), grouped(xs, w3), limit)
+    h = swiglu(grouped(xs, w1), grouped(xs, w3), limit) * row_w[:, None]
     return grouped(h.astype(xs.dtype), w2)
 
 
@@ -140,20 +145,19 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
-    xs = x[order // spec.top_k]
+    xs, row_w = x[order // spec.top_k], weights.reshape(-1)[order]
     cfgs = _kernel_configs(x, xs.shape[0], n_experts, d, inter)
     shared = p.get("shared")
     fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
                    and shared["w2"].shape == (d, inter))
     if cfgs is not None:
-        out = _experts_pallas(xs, p, group_sizes, spec.swiglu_limit, cfgs,
+        out = _experts_pallas(xs, row_w, p, group_sizes, spec.swiglu_limit, cfgs,
                               shared_rows=x if fuse_shared else None)
     else:
-        out = _experts_reference(xs, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
-    # combine: each token gathers its k expert rows and sums them with the routing weights
+        out = _experts_reference(xs, row_w, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
+    # combine: each token gathers and sums its k (already weighted) expert rows
     n = xs.shape[0]
-    rows = out[jnp.argsort(order)].reshape(t, spec.top_k, d).astype(jnp.float32)
-    y = jnp.einsum("tk,tkd->td", weights, rows, precision=HIGHEST)
+    y = out[jnp.argsort(order)].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
     if fuse_shared:
         y = y + out[n:].astype(jnp.float32)
     elif shared is not None:

@@ -152,7 +152,7 @@ def _gather_rows(pool):
     return dequantize_fp8(kv[rows], scale[rows])
 
 
-def sparse_mqa_reference(q, pools, sink, scale, **_):
+def sparse_mqa_reference(q, pools, sink, scale):
     """Pure-jnp reference: fp32 logits and softmax of bf16 (or dequantised fp8) inputs, output
     cast to q.dtype. Takes the same pools as ``sparse_mqa``."""
     keys = jnp.concatenate([_gather_rows(p) for p in pools], 1)

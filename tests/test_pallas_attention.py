@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mega.attention as mega_attention
 from mega.attention import attention
 from model.quant import fp8_block32_parts
 from pallas_kernels.sparse_attention import Fp8Pool, dequantize_fp8, sparse_mqa, sparse_mqa_reference
@@ -105,7 +106,10 @@ def test_model_attention_dispatches_to_the_kernel(monkeypatch):
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     ref = np.asarray(run(), np.float32)
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    calls = []
+    monkeypatch.setattr(mega_attention, "sparse_mqa", lambda *a, **k: calls.append(1) or sparse_mqa(*a, **k))
     got = np.asarray(run(), np.float32)
+    assert calls  # the kernel ran
     assert np.isfinite(got).all() and np.all(got[masked] == 0)
     assert _rel_err(got, ref) < 1e-2
 

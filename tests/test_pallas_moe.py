@@ -13,12 +13,22 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
+import mega.moe as moe_module
 from mega.moe import MoeSpec, aligned_layout, moe
 from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul,
                                          grouped_matmul_reference, grouped_swiglu,
                                          grouped_swiglu_reference)
 
 INTERPRET = InterpretGPUParams(detect_races=True)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs each run; the seed is in the test's report so a failure replays."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
 
 
 def rel(a, b):
@@ -28,10 +38,9 @@ def rel(a, b):
 
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2)],
                          ids=["one-warpgroup", "warp-specialised"])
-def test_grouped_kernels_match_reference(cfg):
+def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3."""
     e, d, inter, limit = 3, 128, 128, 2.5
-    rng = np.random.default_rng()
     sizes = jnp.asarray([rng.integers(1, 2 * cfg.rows), 0, rng.integers(1, cfg.rows),
                          rng.integers(1, cfg.rows)], jnp.int32)
     n = int(sizes.sum())
@@ -62,10 +71,9 @@ def quantized(key, shape):
     return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
 
 
-def test_fp8_block_scaled_weights_match_reference():
+def test_fp8_block_scaled_weights_match_reference(rng):
     """fp8 routed and shared experts, dequantised in the kernel (one warpgroup)."""
     cfg, e, d, inter, limit = GemmConfig(64, 64, 64, 2), 2, 128, 256, 3.0
-    rng = np.random.default_rng()
     sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
     n = int(sizes.sum())
     dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
@@ -87,8 +95,7 @@ def test_fp8_block_scaled_weights_match_reference():
         assert rel(got, want) < 1e-2
 
 
-def test_aligned_layout_places_every_row_in_its_experts_blocks():
-    rng = np.random.default_rng()
+def test_aligned_layout_places_every_row_in_its_experts_blocks(rng):
     e, rows = 7, 16
     sizes = rng.integers(0, 40, e)
     sizes[rng.integers(e)] = 0
@@ -102,11 +109,11 @@ def test_aligned_layout_places_every_row_in_its_experts_blocks():
     assert m_pad <= n + min(e, n) * (rows - 1) + rows
 
 
-def test_moe_pallas_path_matches_reference_path(monkeypatch):
+def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     """The full MegaMoE op (routing, dispatch, kernels, combine, shared expert) through the
     interpreted kernels equals the reference path on the same bf16 inputs."""
-    t, d, inter, e = 19, 128, 256, 4
-    keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 8)
+    t, d, inter, e = 19, 256, 256, 4
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
     bf = jnp.bfloat16
     p = {"gate": jax.random.normal(keys[0], (e, d)) * d ** -0.5,
          "bias": jnp.array([2.0, 0.0, 0.0, -9.0]), "bias_vl": jnp.zeros(e),
@@ -121,7 +128,11 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch):
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     want = moe(x, p, spec)
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    calls = []
+    monkeypatch.setattr(moe_module, "grouped_swiglu",
+                        lambda *a, **k: calls.append(k["shared"]) or grouped_swiglu(*a, **k))
     got = moe(x, p, spec)
+    assert calls and calls[0] is not None  # the kernels ran, with the shared expert fused
     assert np.isfinite(np.asarray(got, np.float32)).all()
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
