@@ -39,7 +39,7 @@ def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp
     q = apply_rope(q, cos[:, None], sin[:, None])
     pools = [(window_kv, window_idx)] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
     if _kernel_fits(q, pools):
-        out = sparse_mqa(q, pools, sink, scale, interpret=backend.interpret_params() or False)
+        out = sparse_mqa(q, pools, sink, scale, interpret=backend.interpret_params())
     else:
         out = sparse_mqa_reference(q, pools, sink, scale)
     return apply_rope(out, cos[:, None], sin[:, None], inverse=True)

@@ -107,7 +107,8 @@ def _experts_pallas(xs, row_w, p, group_sizes, limit, cfgs, shared_rows=None):
     fused elementwise pass between the two launches. ``shared_rows`` (the tokens) run the
     shared expert in the same two launches, as expert id E (weight 1): its weight tiles
     stream in the same wave as the routed ones (at decode sizes its CTAs take SMs the routed
-    grid leaves idle). Returns the routed rows, then the shared rows.
+    grid leaves idle). Returns the block-aligned output rows and the aligned row of each
+    input row (routed rows, then shared rows), so the combine gathers each row only once.
     """
     n_experts = p["w1"].shape[0]
     shared = None
@@ -128,7 +129,7 @@ def _experts_pallas(xs, row_w, p, group_sizes, limit, cfgs, shared_rows=None):
                        interpret=interp)
     h = (h.astype(jnp.float32) * w_al).astype(xs.dtype)
     return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
-                          shared=None if shared is None else shared["w2"])[dest]
+                          shared=None if shared is None else shared["w2"]), dest
 
 
 def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
@@ -150,16 +151,19 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     shared = p.get("shared")
     fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
                    and shared["w2"].shape == (d, inter))
+    n = xs.shape[0]
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
-        out = _experts_pallas(xs, row_w, p, group_sizes, spec.swiglu_limit, cfgs,
-                              shared_rows=x if fuse_shared else None)
+        out, dest = _experts_pallas(xs, row_w, p, group_sizes, spec.swiglu_limit, cfgs,
+                                    shared_rows=x if fuse_shared else None)
+        pair_rows = dest[inv]
     else:
         out = _experts_reference(xs, row_w, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
+        pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows
-    n = xs.shape[0]
-    y = out[jnp.argsort(order)].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
+    y = out[pair_rows].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
     if fuse_shared:
-        y = y + out[n:].astype(jnp.float32)
+        y = y + out[dest[n:]].astype(jnp.float32)
     elif shared is not None:
         y = y + shared_expert(x, shared, spec.swiglu_limit)
     return y.astype(x.dtype)
