@@ -28,6 +28,7 @@ one wait, median of 5), rotating among input sets so that repeats do not run fro
     PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
     python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
     python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
+    python3 bench/attention_gpu.py --cases decode-32 --stages   # + stage-removal timings
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ceilings, rel_err, run_info, time_jax_sets, write  # noqa: E402
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
-    Fp8Pool, sparse_mqa, sparse_mqa_reference)
+    STAGES, Fp8Pool, sparse_mqa, sparse_mqa_reference)
 from model.quant import fp8_block32_parts  # noqa: E402
 
 L2_BYTES = 60e6
@@ -121,6 +122,8 @@ def run(args):
         h, d, win, topk, comp_pool = 64, 512, 128, 512, 32768
         cases = [("decode", b) for b in (8, 32, 64, 128, 256)] + [("prefill", t) for t in (4096, 16384, 65536)]
         xla_chunk = 4096
+    if args.cases:
+        cases = [(k, int(n)) for k, n in (c.split("-") for c in args.cases.split(","))]
     scale = d ** -0.5
     info = run_info()
     ceil = ceilings(smoke=smoke)
@@ -200,6 +203,18 @@ def run(args):
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
+        # stage removal (--stages): the bf16 kernel with one stage left out, then all four
+        for skip in ([(st,) for st in STAGES] + [STAGES]) if args.stages else ():
+            row = {"case": case, "impl": "pallas_bf16-skip:" + "+".join(skip), "ms": None,
+                   "note": "stage-removal timing only: the output is wrong by design"}
+            try:
+                fn = jax.jit(lambda q, w, c, a, b, skip=skip: sparse_mqa(q, [(a, w), (b, c)], sink, scale, skip_stages=skip))
+                row["ms"] = time_jax_sets(fn, sets, **({"inner": 2, "reps": 1} if smoke else {}))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:2000]
+                traceback.print_exc()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         del sets, sets8, xla_out
         # written after every case: a hang or crash later still leaves the rows so far
         payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8}
@@ -220,8 +235,10 @@ def table(payload):
         if r.get("ms") is None:
             print(f"{key:>16} {r['impl']:>12}  failed: {str(r.get('error'))[:80]}")
             continue
-        print(f"{key:>16} {r['impl']:>12} {r['ms']:9.3f} {roof:9.3f} {100 * roof / r['ms']:6.1f} "
-              f"{r['GBps']:7.0f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e}")
+        line = f"{key:>16} {r['impl']:>12} {r['ms']:9.3f} {roof:9.3f} {100 * roof / r['ms']:6.1f}"
+        if "GBps" in r:      # (stage-removal rows carry a time only)
+            line += f" {r['GBps']:7.0f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e}"
+        print(line)
 
 
 def plot(path: Path):
@@ -259,6 +276,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the Mosaic GPU interpreter")
     p.add_argument("--plot", action="store_true", help="only plot an existing $OUT/attention_gpu.json")
+    p.add_argument("--cases", help="comma-separated subset, e.g. decode-32,prefill-16384")
+    p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     a = p.parse_args()
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
     if a.plot:

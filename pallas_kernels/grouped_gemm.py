@@ -102,10 +102,16 @@ def swiglu_f32(gate, up, limit: float):
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def _scale_row(n_steps: int) -> int:
+    """Length of a tile-scale row: padded to 128 bytes, since a TMA copy into shared memory
+    must start at a 128-byte-aligned address (rows of several fp8 weights sit side by side)."""
+    return n_steps + -n_steps % 32
+
+
 def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
-    """Block scales at tile granularity ``[E, N / bn, steps]``, rows padded to 16 bytes (TMA)."""
+    """Block scales at tile granularity ``[E, N / bn, _scale_row(steps)]``."""
     t = jnp.repeat(jnp.repeat(w.scale, 128 // bn, axis=1), 128 // bk, axis=2)
-    return jnp.pad(t, ((0, 0), (0, 0), (0, -n_steps % 4)))
+    return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
 
 
 def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret):
@@ -198,7 +204,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
-            pl.run_scoped(dequant, plgpu.SMEM((n_q, steps + (-steps % 4)), jnp.float32),
+            pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),
                           plgpu.SMEM((n_q, *tile), jnp.bfloat16),
                           plgpu.Barrier(num_arrivals=1, num_barriers=n_q))
 

@@ -46,11 +46,12 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
 
 Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
 reused for its output tile) + staging 65 KB (rows padded by 16 B against bank conflicts) +
-tiled K/V 2 x 32 KB + logit exchange 2 x 16 KB (swizzled) + 1 KB for the chunk's row ids and
+tiled K/V 2 x 32 KB + logit exchange 2 x 16 KB (swizzled) + 1 KB for two chunks' row ids and
 the sink = 227 KB, 1 KB under the limit (every allocation is rounded up to 1 KB, hence the
 sink sharing the ids buffer). The producer copies each chunk's 64 row ids into shared memory
-first and reads them from there (a scalar global load per row would serialise 64 DRAM
-latencies), and the compute warpgroups take the -1 mask from the same buffer. Staging is
+and reads them from there (a scalar global load per row would serialise 64 DRAM latencies),
+one chunk ahead in two slots, so that no id fetch waits between a staging release and the
+next chunk's row copies; the compute warpgroups take the -1 mask from the same slot. Staging is
 single-buffered, but it is released as soon as both warpgroups have pulled it into registers,
 so the next chunk's row copies overlap the current chunk's QK^T / softmax / PV (staging and
 the tiled buffer act as a 2-deep pipeline). Registers per compute thread: acc 128 (fp32
@@ -202,12 +203,22 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
+STAGES = ("row_copies", "relayout", "exchange", "mma")
+
+
+def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
     ``sparse_mqa(q, [Fp8Pool(*fp8_block32_parts(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+
+    ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
+    result wrong: the per-row KV copies (the staging barrier is still completed), the re-layout
+    into tiles, the exchange of partial logits, or both MMAs.
     """
+    skip = frozenset(skip_stages)
+    if not skip <= set(STAGES):
+        raise ValueError(f"skip_stages must be a subset of {STAGES}, got {sorted(skip)}")
     t_len, n_heads, d = q.shape
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
@@ -222,6 +233,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
         if kv_scale is not None and SCALE_LINE % n_groups:
             raise ValueError(f"fp8 pools need D in (128, 256, 512), got {d}")
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
+    chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
     is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
     rows_per_line = SCALE_LINE // n_groups        # rows whose scales share one 128-byte line
     # View each fp8 pool's scales as 128-byte lines [N / rows_per_line, 32] (free unless N is
@@ -261,6 +273,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
         def scoped(q_smem, stages, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, full8_bar=None):
             wg = lax.axis_index("wg")
             stage, stage8, scales = stages
+            ids_slot = lambda g: small.at[pl.ds(g % 2 * BLOCK_KV, BLOCK_KV)]  # noqa: E731
 
             def sync():  # both compute warpgroups meet here
                 plgpu.barrier_arrive(sync_bar)
@@ -273,29 +286,46 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                     plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(w * dh, dh)], q_smem.at[w], q_bar)
                 # The sink (as int32 bits) shares the small index buffer: every allocation is
                 # rounded up to 1 KB, and we have no KB to spare.
-                plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[pl.ds(BLOCK_KV, HEADS)], q_bar)
-                step = 0
+                plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[pl.ds(2 * BLOCK_KV, HEADS)], q_bar)
+
+                def fetch_ids(p, c, g):
+                    """Row ids of chunk ``c`` of pool ``p`` (global chunk ``g``) into slot g % 2."""
+                    plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
+                                            ids_slot(g), ids_bar.at[g % 2])
+
+                live = [p for p, nc in enumerate(n_chunks) if nc]
+                if live:
+                    fetch_ids(live[0], 0, 0)
                 for p, nc in enumerate(n_chunks):
-                    kv_ref, scale_ref, idx_ref = pool_refs[p]
+                    kv_ref, scale_ref, _ = pool_refs[p]
+                    after = [q for q in live if q > p]
 
                     @pl.loop(0, nc)
-                    def _chunk(c, kv_ref=kv_ref, scale_ref=scale_ref, idx_ref=idx_ref, first=step == 0):
+                    def _chunk(c, p=p, nc=nc, kv_ref=kv_ref, scale_ref=scale_ref, nxt=after[0] if after else None):
+                        g = chunk0[p] + c
                         # The single staging buffer is free once both compute WGs have read
                         # the previous chunk into registers.
-                        if first:
+                        if chunk0[p] == 0:
                             pl.when(c > 0)(lambda: plgpu.barrier_wait(free_bar))
                         else:
                             plgpu.barrier_wait(free_bar)
+                        # Row ids come through shared memory (a scalar load from global memory per
+                        # row would put a DRAM round trip between consecutive row copies), one
+                        # chunk ahead: the other slot's ids were read before that release.
+                        plgpu.barrier_wait(ids_bar.at[g % 2])
+                        pl.when(c + 1 < nc)(lambda: fetch_ids(p, c + 1, g + 1))
+                        if nxt is not None:
+                            pl.when(c + 1 == nc)(lambda: fetch_ids(nxt, 0, g + 1))
+                        ids_ref = ids_slot(g)
 
-                        chunk_ids = pl.ds(c * BLOCK_KV, BLOCK_KV)
-                        # Row ids come through shared memory: a scalar load from global memory per
-                        # row would put a DRAM round trip between consecutive row copies.
-                        plgpu.copy_gmem_to_smem(idx_ref.at[t, chunk_ids], small.at[pl.ds(0, BLOCK_KV)], ids_bar)
-                        plgpu.barrier_wait(ids_bar)
+                        if "row_copies" in skip:   # stage-removal timing: complete the barrier bare
+                            for _ in range(2 * BLOCK_KV if scale_ref is not None else BLOCK_KV):
+                                plgpu.barrier_arrive(full_bar if scale_ref is None else full8_bar)
+                            return
 
                         @pl.loop(0, BLOCK_KV)
                         def _row(j):
-                            row = jnp.maximum(small[j], 0)
+                            row = jnp.maximum(ids_ref[j], 0)
                             if scale_ref is None:
                                 plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
                                                         oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
@@ -305,8 +335,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                                 plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row // rows_per_line, 1)],
                                                         scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
                                                         full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                    step += nc
-                if step:  # observe the last release too (the interpreter checks every phase is seen)
+                if live:  # observe the last release too (the interpreter checks every phase is seen)
                     plgpu.barrier_wait(free_bar)
 
             @pl.when(wg < 2)
@@ -315,7 +344,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                 cols = pl.ds(wg * dh, dh)
                 my_kt, my_xch, other_xch = kt.at[wg], xch.at[wg], xch.at[1 - wg]
                 plgpu.barrier_wait(q_bar)
-                sink_bits = cast(small[pl.ds(BLOCK_KV, HEADS)], ROW)
+                sink_bits = cast(small[pl.ds(2 * BLOCK_KV, HEADS)], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
                 carry = (
                     cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
@@ -328,12 +357,12 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                         piece = cast(stage[:, pl.ds(wg * dh + k * 64, 64)], TILE)
                         my_kt[:, pl.ds(k * 64, 64)] = piece
 
-                def relayout_fp8():
+                def relayout_fp8(ids_ref):
                     # Dequantise on the way: e4m3 -> f16 -> f32 (exact), times the row's scale
                     # for the column's 32-group (a power of two: exact), -> bf16 (exact).
                     upper = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE) >= 32
                     # which part of its staged scale line is each row's (masked rows: row 0's)
-                    part = jnp.maximum(cast(small[pl.ds(0, BLOCK_KV)], ROW), 0) % rows_per_line
+                    part = jnp.maximum(cast(ids_ref[...], ROW), 0) % rows_per_line
 
                     def column(c):   # a strided column of the staged scale lines, one value per row
                         if interpreting:
@@ -356,23 +385,33 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                                        lax.broadcast_in_dim(s_lo, piece.shape, [0]))
                         my_kt[:, pl.ds(k * 64, 64)] = (piece * sc).astype(jnp.bfloat16)
 
-                for nc, fp8 in zip(n_chunks, is_fp8):   # the producer walks the same pools and chunks in the same order
+                # the producer walks the same pools and chunks in the same order
+                for nc, fp8, g0 in zip(n_chunks, is_fp8, chunk0):
 
-                    def chunk(c, carry, fp8=fp8):
+                    def chunk(c, carry, fp8=fp8, g0=g0):
                         acc, m, l = carry
-                        plgpu.barrier_wait(ids_bar)
+                        g = g0 + c
+                        plgpu.barrier_wait(ids_bar.at[g % 2])
                         plgpu.barrier_wait(full8_bar if fp8 else full_bar)
-                        ids = cast(small[pl.ds(0, BLOCK_KV)], COL)
+                        ids_ref = ids_slot(g)
+                        ids = cast(ids_ref[...], COL)
                         # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
-                        (relayout_fp8 if fp8 else relayout_bf16)()
+                        if "relayout" not in skip:
+                            relayout_fp8(ids_ref) if fp8 else relayout_bf16()
                         plgpu.barrier_arrive(free_bar)
                         plgpu.commit_smem()
 
-                        s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
-                        sync()                      # the other WG has read my previous partial
-                        my_xch[...] = s_part
-                        sync()                      # both partials are written
-                        s = (s_part + cast(other_xch[...], TILE)) * qk_scale
+                        if "mma" in skip:
+                            s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
+                        else:
+                            s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
+                        if "exchange" in skip:
+                            s = s_part * qk_scale
+                        else:
+                            sync()                      # the other WG has read my previous partial
+                            my_xch[...] = s_part
+                            sync()                      # both partials are written
+                            s = (s_part + cast(other_xch[...], TILE)) * qk_scale
                         valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
                         s = jnp.where(valid, s, -jnp.inf)
                         m_new = jnp.maximum(m, s.max(axis=1))
@@ -381,7 +420,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
                         l = l * alpha + prob.sum(axis=1)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-                        acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
+                        if "mma" not in skip:
+                            acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
                         return acc, m_new, l
 
                     carry = lax.fori_loop(0, nc, chunk, carry)
@@ -418,9 +458,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
             plgpu.SMEM((2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled),    # K=V tiles per WG
             plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-            plgpu.SMEM((BLOCK_KV + HEADS,), jnp.int32),                       # chunk's indices, sink bits
+            plgpu.SMEM((2 * BLOCK_KV + HEADS,), jnp.int32),                   # 2 chunks' ids, sink bits
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
-            plgpu.Barrier(),                                                  # chunk's ids landed
+            plgpu.Barrier(num_barriers=2),                                    # a chunk's ids landed
             plgpu.Barrier(num_arrivals=BLOCK_KV),                             # staging full (bf16)
             plgpu.Barrier(num_arrivals=2),                                    # staging free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
@@ -431,8 +471,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False):
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(t_len, n_heads // HEADS),
-        grid_names=("t", "hg"),
+        # tokens last: Mosaic GPU launches the last grid axis as CUDA's x (up to 2^31 - 1
+        # blocks); the others are limited to 65535
+        grid=(n_heads // HEADS, t_len),
+        grid_names=("hg", "t"),
         num_threads=3,
         thread_name="wg",
         # reduction_scratch_bytes=0: the only reductions are along the WGMMA row (warp
