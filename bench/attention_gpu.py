@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ceilings, rel_err, run_info, time_jax_sets, write  # noqa: E402
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
-    STAGES, Fp8Pool, sparse_mqa, sparse_mqa_reference)
+    STAGES, Fp8Pool, auto_splits, sparse_mqa, sparse_mqa_reference)
 from model.quant import fp8_block32_parts  # noqa: E402
 
 L2_BYTES = 60e6
@@ -139,6 +139,7 @@ def run(args):
             t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
             case["T"] = t
             q0, w0, c0 = draw(1)
+            case["kernel_splits"] = auto_splits(t, h, [(wkv, w0), (ckv, c0)], getattr(jax.devices()[0], "core_count", 0))
             n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
             kv_bytes = (n_w + n_c) * d * 2
             kv8_bytes = n_w * (d + d // 32 * 4) + n_c * d * 2     # fp8 window rows + their scales

@@ -43,7 +43,6 @@ LIMIT = 10.0
 SKEW = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
 CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)),
-    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)),  # 96 KB: two CTAs per SM
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
@@ -262,6 +261,7 @@ def main():
     ap.add_argument("--tokens", default="16,64,256,1024,4096")
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--skewed", default="16,256,4096", help="token counts also run with skewed routing")
+    ap.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (fp8 rows up to 256 tokens)")
     ap.add_argument("--plot", help="write a PNG from the run (or from --from-json)")
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
@@ -282,7 +282,8 @@ def main():
     cases = [(t, r) for r in args.routing.split(",") for t in map(int, args.tokens.split(","))]
     cases += [(int(t), "skewed") for t in args.skewed.split(",") if args.skewed]
     # the fp8-weight cases last: a kernel fault spoils the process, not the rows before it
-    for fp8w, (t, routing) in [(False, c) for c in cases] + [(True, c) for c in cases]:
+    weights = args.weights.split(",")
+    for fp8w, (t, routing) in [(w == "fp8", c) for w in ("bf16", "fp8") if w in weights for c in cases]:
         run_case(t, routing, ceil, rows, roof, fp8w)
         payload = {**info, "benchmark": "moe_gpu", "ceilings": ceil, "rows": rows,
                    "roofline_ms": roof, "summary": summarize(rows, roof)}

@@ -201,7 +201,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         j += 1
                     plgpu.commit_smem()
                     mma(accs, x, tiles)
-                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
+                # delay_release=1 here too: step s's wgmma reads its x slot asynchronously
+                # until step s+1's wgmma_wait, so the slot may only be refilled after that
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
             pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),

@@ -39,6 +39,10 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   same swizzled tiles: every later step is the bf16 kernel's. The products are exact (e4m3
   times a power of two fits bf16), so an fp8 pool gives the same result as the bf16 pool of
   its dequantised values. Gathered bytes per row: 512 + 128 instead of 1024.
+* Small batches (flash-decoding): with fewer query tokens than SMs, ``splits`` CTAs share a
+  token's key chunks; each starts from an empty softmax (split 0 from the sink), writes its
+  normalised partial output with its running max and sum, and an XLA pass weights and sums
+  the partials (a few hundred KB at decode sizes).
 * Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
   bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
@@ -76,6 +80,7 @@ P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kind
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -91,6 +96,7 @@ from pallas_kernels.compat import transposed
 HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
 BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used for the re-layout is 64 rows)
 LOG2E = math.log2(math.e)
+NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX - NO_MAX) = 1
 # Staging rows are padded by 16 bytes so that reading a 64x64 block of them in the WGMMA
 # layout (8 rows x 16 B per quarter-warp) hits 8 distinct bank groups instead of one.
 STAGE_PAD = 8
@@ -206,11 +212,17 @@ def _interpret_params(interpret):
 STAGES = ("row_copies", "relayout", "exchange", "mma")
 
 
-def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_stages=()):
+def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
+               skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
     ``sparse_mqa(q, [Fp8Pool(*fp8_block32_parts(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+
+    ``splits`` > 1 divides each query's key chunks over that many CTAs (flash-decoding, for
+    batches too small to fill the GPU); each writes its normalised partial output and its
+    softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
+    GPU's SM count (1 when interpreted).
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the per-row KV copies (the staging barrier is still completed), the re-layout
@@ -232,8 +244,16 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
             raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want float32 {(kv.shape[0], n_groups)}")
         if kv_scale is not None and SCALE_LINE % n_groups:
             raise ValueError(f"fp8 pools need D in (128, 256, 512), got {d}")
+    interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
+    if splits is None:
+        n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
+        splits = auto_splits(t_len, n_heads, pools, n_sms)
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
+    per_split = -(-sum(n_chunks) // splits)                  # chunks per split (the last may have fewer)
+    if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
+        raise ValueError(f"splits={splits}: each of them needs at least one of the "
+                         f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
     is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
     rows_per_line = SCALE_LINE // n_groups        # rows whose scales share one 128-byte line
     # View each fp8 pool's scales as 128-byte lines [N / rows_per_line, 32] (free unless N is
@@ -251,7 +271,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
     dh = d // 2                                   # D columns per compute warpgroup
     qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     # Register layouts: TILE is the wgmma accumulator layout, ROW a per-head vector (one value
     # per accumulator row), COL a per-key vector. The 0.10 interpreter has no layout_cast.
     TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -267,8 +286,22 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
             r = refs[pos:pos + n]
             pool_refs.append((r[0], r[1] if n == 3 else None, r[-1]))
             pos += n
-        t, hg = lax.axis_index("t"), lax.axis_index("hg")
+        if splits > 1:
+            o_ref, stats_ref = refs[-2:]
+        t, hg, sp = lax.axis_index("t"), lax.axis_index("hg"), lax.axis_index("sp")
         heads = pl.ds(hg * HEADS, HEADS)
+
+        def for_my_split(fn):
+            """``fn(s, lo, hi, local)`` for this CTA's split ``s``: global chunks [lo, hi), and
+            ``local[p]`` the part of pool p. One static branch per split: loops with traced
+            bounds hang the JAX 0.10 Mosaic GPU interpreter."""
+            for s in range(splits):
+                lo, hi = s * per_split, min((s + 1) * per_split, sum(n_chunks))
+                local = [(min(max(lo - c0, 0), nc), min(max(hi - c0, 0), nc)) for c0, nc in zip(chunk0, n_chunks)]
+                if splits == 1:
+                    fn(s, lo, hi, local)
+                else:
+                    pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
 
         def scoped(q_smem, stages, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, full8_bar=None):
             wg = lax.axis_index("wg")
@@ -293,50 +326,51 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
                     plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
                                             ids_slot(g), ids_bar.at[g % 2])
 
-                live = [p for p, nc in enumerate(n_chunks) if nc]
-                if live:
-                    fetch_ids(live[0], 0, 0)
-                for p, nc in enumerate(n_chunks):
-                    kv_ref, scale_ref, _ = pool_refs[p]
-                    after = [q for q in live if q > p]
+                @for_my_split
+                def _produce(s, lo, hi, local):
+                    live = [p for p, (a, b) in enumerate(local) if b > a]
+                    if live:   # the first chunk's ids
+                        fetch_ids(live[0], local[live[0]][0], lo)
+                    for p in live:
+                        kv_ref, scale_ref, _ = pool_refs[p]
+                        end = local[p][1]
+                        # the next chunk is the next pool's first if this pool ends inside the range
+                        nxt = next((q for q in live if q > p), None) if chunk0[p] + end < hi else None
 
-                    @pl.loop(0, nc)
-                    def _chunk(c, p=p, nc=nc, kv_ref=kv_ref, scale_ref=scale_ref, nxt=after[0] if after else None):
-                        g = chunk0[p] + c
-                        # The single staging buffer is free once both compute WGs have read
-                        # the previous chunk into registers.
-                        if chunk0[p] == 0:
-                            pl.when(c > 0)(lambda: plgpu.barrier_wait(free_bar))
-                        else:
-                            plgpu.barrier_wait(free_bar)
-                        # Row ids come through shared memory (a scalar load from global memory per
-                        # row would put a DRAM round trip between consecutive row copies), one
-                        # chunk ahead: the other slot's ids were read before that release.
-                        plgpu.barrier_wait(ids_bar.at[g % 2])
-                        pl.when(c + 1 < nc)(lambda: fetch_ids(p, c + 1, g + 1))
-                        if nxt is not None:
-                            pl.when(c + 1 == nc)(lambda: fetch_ids(nxt, 0, g + 1))
-                        ids_ref = ids_slot(g)
+                        @pl.loop(*local[p])
+                        def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
+                            g = chunk0[p] + c
+                            # The single staging buffer is free once both compute WGs have read
+                            # the previous chunk into registers.
+                            pl.when(g > lo)(lambda: plgpu.barrier_wait(free_bar))
+                            # Row ids come through shared memory (a scalar load from global memory per
+                            # row would put a DRAM round trip between consecutive row copies), one
+                            # chunk ahead: the other slot's ids were read before that release.
+                            plgpu.barrier_wait(ids_bar.at[g % 2])
+                            pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
+                            if nxt is not None:
+                                pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
+                            ids_ref = ids_slot(g)
 
-                        if "row_copies" in skip:   # stage-removal timing: complete the barrier bare
-                            for _ in range(2 * BLOCK_KV if scale_ref is not None else BLOCK_KV):
-                                plgpu.barrier_arrive(full_bar if scale_ref is None else full8_bar)
-                            return
+                            if "row_copies" in skip:   # stage-removal timing: complete the barrier bare
+                                for _ in range(2 * BLOCK_KV if scale_ref is not None else BLOCK_KV):
+                                    plgpu.barrier_arrive(full_bar if scale_ref is None else full8_bar)
+                                return
 
-                        @pl.loop(0, BLOCK_KV)
-                        def _row(j):
-                            row = jnp.maximum(ids_ref[j], 0)
-                            if scale_ref is None:
-                                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
-                                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                            else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
-                                plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
-                                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row // rows_per_line, 1)],
-                                                        scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
-                                                        full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                if live:  # observe the last release too (the interpreter checks every phase is seen)
-                    plgpu.barrier_wait(free_bar)
+                            @pl.loop(0, BLOCK_KV)
+                            def _row(j):
+                                row = jnp.maximum(ids_ref[j], 0)
+                                if scale_ref is None:
+                                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
+                                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                                else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
+                                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
+                                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                                    plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row // rows_per_line, 1)],
+                                                            scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
+                                                            full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                    if live:  # observe the last release too (the interpreter checks every phase is seen)
+                        plgpu.barrier_wait(free_bar)
 
             @pl.when(wg < 2)
             def _compute():
@@ -346,11 +380,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
                 plgpu.barrier_wait(q_bar)
                 sink_bits = cast(small[pl.ds(2 * BLOCK_KV, HEADS)], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
-                carry = (
-                    cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
-                    sink2,                                                   # running max m
-                    cast(jnp.ones((HEADS,), jnp.float32), ROW),  # sum l
-                )
 
                 def relayout_bf16():
                     for k in range(dh // 64):
@@ -385,53 +414,73 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
                                        lax.broadcast_in_dim(s_lo, piece.shape, [0]))
                         my_kt[:, pl.ds(k * 64, 64)] = (piece * sc).astype(jnp.bfloat16)
 
-                # the producer walks the same pools and chunks in the same order
-                for nc, fp8, g0 in zip(n_chunks, is_fp8, chunk0):
+                @for_my_split
+                def _consume(s, lo, hi, local):
+                    # Split 0 starts from the sink; the others from an empty softmax, with a finite
+                    # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
+                    carry = (
+                        cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
+                        sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
+                        cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
+                    )
+                    # the producer walks the same pools and chunks in the same order
+                    for (c_lo, c_hi), fp8, g0 in zip(local, is_fp8, chunk0):
 
-                    def chunk(c, carry, fp8=fp8, g0=g0):
-                        acc, m, l = carry
-                        g = g0 + c
-                        plgpu.barrier_wait(ids_bar.at[g % 2])
-                        plgpu.barrier_wait(full8_bar if fp8 else full_bar)
-                        ids_ref = ids_slot(g)
-                        ids = cast(ids_ref[...], COL)
-                        # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
-                        if "relayout" not in skip:
-                            relayout_fp8(ids_ref) if fp8 else relayout_bf16()
-                        plgpu.barrier_arrive(free_bar)
-                        plgpu.commit_smem()
+                        def chunk(c, carry, fp8=fp8, g0=g0):
+                            acc, m, l = carry
+                            g = g0 + c
+                            plgpu.barrier_wait(ids_bar.at[g % 2])
+                            plgpu.barrier_wait(full8_bar if fp8 else full_bar)
+                            ids_ref = ids_slot(g)
+                            ids = cast(ids_ref[...], COL)
+                            # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
+                            if "relayout" not in skip:
+                                relayout_fp8(ids_ref) if fp8 else relayout_bf16()
+                            plgpu.barrier_arrive(free_bar)
+                            plgpu.commit_smem()
 
-                        if "mma" in skip:
-                            s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
-                        else:
-                            s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
-                        if "exchange" in skip:
-                            s = s_part * qk_scale
-                        else:
-                            sync()                      # the other WG has read my previous partial
-                            my_xch[...] = s_part
-                            sync()                      # both partials are written
-                            s = (s_part + cast(other_xch[...], TILE)) * qk_scale
-                        valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
-                        s = jnp.where(valid, s, -jnp.inf)
-                        m_new = jnp.maximum(m, s.max(axis=1))
-                        alpha = jnp.exp2(m - m_new)
-                        prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                        l = l * alpha + prob.sum(axis=1)
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            if "mma" in skip:
+                                s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
+                            else:
+                                s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
+                            if "exchange" in skip:
+                                s = s_part * qk_scale
+                            else:
+                                sync()                      # the other WG has read my previous partial
+                                my_xch[...] = s_part
+                                sync()                      # both partials are written
+                                s = (s_part + cast(other_xch[...], TILE)) * qk_scale
+                            valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
+                            s = jnp.where(valid, s, -jnp.inf)
+                            m_new = jnp.maximum(m, s.max(axis=1))
+                            alpha = jnp.exp2(m - m_new)
+                            prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                            l = l * alpha + prob.sum(axis=1)
+                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-                        if "mma" not in skip:
-                            acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
-                        return acc, m_new, l
+                            if "mma" not in skip:
+                                acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
+                            return acc, m_new, l
 
-                    carry = lax.fori_loop(0, nc, chunk, carry)
-                acc, _, l = carry
-                # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
-                out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-                q_smem[wg] = out.astype(jnp.bfloat16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
-                plgpu.wait_smem_to_gmem(0)
+                        carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
+                    acc, m, l = carry
+                    # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
+                    # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
+                    out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+                    q_smem[wg] = out.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    if splits == 1:
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
+                    else:
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
+
+                        @pl.when(wg == 0)   # m and l (the same in both warpgroups) into the spent id slots
+                        def _stats():
+                            small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
+                            small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
+                    plgpu.wait_smem_to_gmem(0)
 
         # Staging: bf16 rows for bf16 pools; fp8 rows + their scales for fp8 pools. With both
         # kinds of pool the two layouts share the same bytes (a chunk is only ever read through
@@ -468,13 +517,17 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
             collective_axes="wg",
         )
 
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if splits > 1:   # partial outputs, and (m, l) per head as int32 bits
+        out_type = (jax.ShapeDtypeStruct((splits, *q.shape), q.dtype),
+                    jax.ShapeDtypeStruct((splits, t_len, n_heads // HEADS, 2 * HEADS), jnp.int32))
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=out_type,
         # tokens last: Mosaic GPU launches the last grid axis as CUDA's x (up to 2^31 - 1
         # blocks); the others are limited to 65535
-        grid=(n_heads // HEADS, t_len),
-        grid_names=("hg", "t"),
+        grid=(n_heads // HEADS, splits, t_len),
+        grid_names=("hg", "sp", "t"),
         num_threads=3,
         thread_name="wg",
         # reduction_scratch_bytes=0: the only reductions are along the WGMMA row (warp
@@ -484,4 +537,27 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, interpret=False, skip_
         interpret=_interpret_params(interpret),
     )
     flat = [a for pool in pools for a in pool if a is not None]
-    return kernel(q, lax.bitcast_convert_type(sink.astype(jnp.float32), jnp.int32), *flat)
+    out = kernel(q, lax.bitcast_convert_type(sink.astype(jnp.float32), jnp.int32), *flat)
+    return out if splits == 1 else _combine_splits(*out)
+
+
+def _combine_splits(parts, stats):
+    """Softmax-weighted sum of the splits' normalised outputs: split s carries its running max
+    m_s (base 2) and sum l_s, so its weight is l_s 2^(m_s - max m) over the sum of weights."""
+    s, t, n_hg, _ = stats.shape
+    stats = lax.bitcast_convert_type(stats, jnp.float32).reshape(s, t, n_hg, 2, HEADS)
+    m, l = (stats[:, :, :, i].reshape(s, t, n_hg * HEADS) for i in range(2))
+    w = l * jnp.exp2(m - m.max(0))
+    out = jnp.einsum("sth,sthd->thd", w / w.sum(0), parts.astype(jnp.float32))
+    return out.astype(parts.dtype)
+
+
+def auto_splits(t_len: int, n_heads: int, pools: Sequence, n_sms: int) -> int:
+    """Key splits per query that fill ``n_sms`` CTAs' worth of work when ``t_len`` queries do
+    not: the CTA count rounded down, with chunks spread evenly (each split gets >= 1)."""
+    chunks = sum(-(-_split_pool(p)[2].shape[1] // BLOCK_KV) for p in pools)
+    if not chunks:
+        return 1
+    want = max(1, min(chunks, n_sms // max(1, t_len * n_heads // HEADS)))
+    per = -(-chunks // want)
+    return -(-chunks // per)

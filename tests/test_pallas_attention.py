@@ -77,16 +77,18 @@ def gpu_interpret():
         reset_gpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("t_len,heads,d,pools", [
-    (3, 64, 128, [(300, 64), (200, 100)]),    # window + compressed pool, S=100 pads to 128
-    (2, 128, 256, [(150, 70)]),               # two head groups, one pool
-    (3, 64, 128, [(301, 64, "fp8"), (200, 100)]),   # V4.1 layout: fp8 window + bf16 compressed
-    (2, 64, 256, [(150, 70, "fp8")]),         # fp8 only (N=150: the scale lines need a pad row)
+@pytest.mark.parametrize("t_len,heads,d,pools,splits", [
+    (3, 64, 128, [(300, 64), (200, 100)], 1),    # window + compressed pool, S=100 pads to 128
+    (2, 128, 256, [(150, 70)], 1),               # two head groups, one pool
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1),   # V4.1 layout: fp8 window + bf16 compressed
+    (2, 64, 256, [(150, 70, "fp8")], 1),         # fp8 only (N=150: the scale lines need a pad row)
+    (3, 64, 128, [(300, 64), (200, 100)], 3),    # flash-decoding: one chunk per split
+    (2, 128, 128, [(301, 64, "fp8"), (200, 130)], 2),  # splits of 2 chunks crossing the pools
 ])
-def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools):
+def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits):
     q, pools, sink, masked = _case(t_len, heads, d, pools)
     scale = d ** -0.5
-    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale))(q, pools, sink)
+    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits))(q, pools, sink)
     ref = sparse_mqa_reference(q, pools, sink, scale)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), "kernel left output elements unwritten (NaN poison)"
@@ -128,8 +130,8 @@ def test_fp8_quantiser_matches_the_spec():
 
 
 @pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
-@pytest.mark.parametrize("t_len", [4 * 64, 4096])   # a decode step (64 requests x 4) and a prefill chunk
-def test_cross_lowering_v41_shapes(t_len, kinds):
+@pytest.mark.parametrize("t_len,splits", [(4 * 64, 1), (4096, 1), (4 * 8, 4)])   # decode 64 / 8 requests, a prefill chunk
+def test_cross_lowering_v41_shapes(t_len, splits, kinds):
     """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
     (fp8+bf16 is the tightest: both staging layouts share one buffer, 226 KB of 227)."""
     heads, d = 64, 512
@@ -145,7 +147,7 @@ def test_cross_lowering_v41_shapes(t_len, kinds):
     fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
     pools = [pool(n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
     sink = jax.ShapeDtypeStruct((heads,), jnp.float32)
-    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5))
+    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits))
     text = fn.trace(q, pools, sink).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -155,3 +157,13 @@ def test_rejects_unsupported_shapes():
     with pytest.raises(ValueError):
         sparse_mqa(q, [(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))],
                    jnp.zeros((48,), jnp.float32), 1.0)
+
+
+def test_auto_splits_fills_the_sms_at_small_batch_only():
+    from pallas_kernels.sparse_attention import auto_splits
+    pools = lambda t: [(None, jnp.zeros((t, 128), jnp.int32)), (None, jnp.zeros((t, 512), jnp.int32))]  # noqa: E731
+    assert auto_splits(32, 64, pools(32), 132) == 4      # 10 chunks as 3+3+3+1 over 4 CTAs per token
+    assert auto_splits(8, 64, pools(8), 132) == 10       # one chunk each
+    assert auto_splits(128, 64, pools(128), 132) == 1    # the tokens alone fill the GPU
+    assert auto_splits(32, 128, pools(32), 132) == 2     # two head groups per token count too
+    assert auto_splits(32, 64, pools(32), 0) == 1        # no SM count (interpreted): no split
