@@ -165,8 +165,14 @@ def run(args):
         wkv8, wsc = jax.jit(fp8_block32_parts)(wkv)      # the window pool in FP8 (MODEL_SPEC §3.5)
         sets8 = [(q_, w_, c_, wkv8, wsc, ckv) for q_, w_, c_ in sets]
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
-        kernel = jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale))
-        kernel8 = jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale))
+        def kernels(splits=None):   # (bf16, fp8-window) kernels; splits=None: the automatic choice
+            return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, splits=splits)),
+                    jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale,
+                                                                   splits=splits)))
+        kernel, kernel8 = kernels()
+        chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
+        chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(k)) for k in args.splits
+                  if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -176,8 +182,10 @@ def run(args):
         ref8 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), (ckv, c[sample])], sink, scale)
 
         xla_out = None
-        for impl, fn in (("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8)):
-            fp8 = impl == "pallas_fp8"
+        variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8)]
+        variants += [v for n16, n8, k16, k8 in chosen for v in ((n16, k16), (n8, k8))]
+        for impl, fn in variants:
+            fp8 = impl.startswith("pallas_fp8")
             fn_sets, impl_ref = (sets8, ref8) if fp8 else (sets, ref)
             row = {"case": case, "impl": impl, "ms": None, "rel_err": None, "error": None}
             if impl == "xla_bf16" and chunk:
@@ -279,6 +287,8 @@ if __name__ == "__main__":
     p.add_argument("--plot", action="store_true", help="only plot an existing $OUT/attention_gpu.json")
     p.add_argument("--cases", help="comma-separated subset, e.g. decode-32,prefill-16384")
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
+    p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="also time the kernels at these key-split counts, e.g. 1,2,4")
     a = p.parse_args()
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
     if a.plot:
