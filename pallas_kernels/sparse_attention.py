@@ -250,7 +250,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         splits = auto_splits(t_len, n_heads, pools, n_sms)
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
-    per_split = -(-sum(n_chunks) // splits)                  # chunks per split (the last may have fewer)
+    per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
     if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")

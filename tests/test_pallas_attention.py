@@ -159,6 +159,14 @@ def test_rejects_unsupported_shapes():
                    jnp.zeros((48,), jnp.float32), 1.0)
 
 
+@pytest.mark.parametrize("splits", [0, 3])   # 2 chunks: 3 splits would leave one empty
+def test_rejects_bad_split_counts(splits):
+    q = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="splits"):
+        sparse_mqa(q, [(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 128), jnp.int32))],
+                   jnp.zeros((64,), jnp.float32), 1.0, splits=splits)
+
+
 def test_auto_splits_fills_the_sms_at_small_batch_only():
     from pallas_kernels.sparse_attention import auto_splits
     pools = lambda t: [(None, jnp.zeros((t, 128), jnp.int32)), (None, jnp.zeros((t, 512), jnp.int32))]  # noqa: E731
