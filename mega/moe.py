@@ -100,34 +100,38 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     return cfgs if use else None
 
 
-def _experts_pallas(xs, row_w, p, group_sizes, limit, cfgs, shared_rows=None):
-    """Grouped SwiGLU experts on rows grouped by expert, through the Pallas kernels.
+def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=False):
+    """Grouped SwiGLU experts through the Pallas kernels, for the rows ``x[tokens]`` grouped
+    by expert (``tokens``: each grouped row's token).
 
-    ``row_w`` scales each row's SwiGLU activation before the down projection (§3.9), one
-    fused elementwise pass between the two launches. ``shared_rows`` (the tokens) run the
-    shared expert in the same two launches, as expert id E (weight 1): its weight tiles
-    stream in the same wave as the routed ones (at decode sizes its CTAs take SMs the routed
-    grid leaves idle). Returns the block-aligned output rows and the aligned row of each
-    input row (routed rows, then shared rows), so the combine gathers each row only once.
+    The aligned kernel input is gathered from ``x`` in one pass (each aligned row knows its
+    token, padding rows none), so the dispatched rows are written once. ``row_w`` scales each
+    row's SwiGLU activation before the down projection (§3.9), one fused elementwise pass
+    between the two launches. With ``fuse_shared`` every token also runs the shared expert in
+    the same two launches, as expert id E (weight 1): its weight tiles stream in the same wave
+    as the routed ones (at decode sizes its CTAs take SMs the routed grid leaves idle).
+    Returns the block-aligned output rows and the aligned row of each grouped row (routed
+    rows, then shared rows), so the combine gathers each row only once.
     """
     n_experts = p["w1"].shape[0]
     shared = None
-    if shared_rows is not None:
-        xs = jnp.concatenate([xs, shared_rows])
-        row_w = jnp.concatenate([row_w, jnp.ones(shared_rows.shape[0], row_w.dtype)])
-        group_sizes = jnp.concatenate([group_sizes, jnp.array([shared_rows.shape[0]], jnp.int32)])
+    if fuse_shared:
+        t = x.shape[0]
+        tokens = jnp.concatenate([tokens, jnp.arange(t, dtype=tokens.dtype)])
+        row_w = jnp.concatenate([row_w, jnp.ones(t, row_w.dtype)])
+        group_sizes = jnp.concatenate([group_sizes, jnp.array([t], jnp.int32)])
         shared = p["shared"]
-    n, d = xs.shape
     up_cfg, down_cfg = cfgs
-    dest, block_expert, m_pad = aligned_layout(group_sizes, n, up_cfg.rows,
+    dest, block_expert, m_pad = aligned_layout(group_sizes, tokens.shape[0], up_cfg.rows,
                                                n_experts + (shared is not None))
-    x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
+    src = jnp.full((m_pad,), -1, tokens.dtype).at[dest].set(tokens)   # aligned row → token
+    x_al = jnp.where(src[:, None] >= 0, x[jnp.maximum(src, 0)], 0).astype(x.dtype)
     w_al = jnp.zeros((m_pad, 1), jnp.float32).at[dest, 0].set(row_w)
     interp = backend.interpret_params()
     h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp)
-    h = (h.astype(jnp.float32) * w_al).astype(xs.dtype)
+    h = (h.astype(jnp.float32) * w_al).astype(x.dtype)
     return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 
@@ -146,19 +150,19 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
-    xs, row_w = x[order // spec.top_k], weights.reshape(-1)[order]
-    cfgs = _kernel_configs(x, xs.shape[0], n_experts, d, inter)
+    tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
+    n = tokens.shape[0]
+    cfgs = _kernel_configs(x, n, n_experts, d, inter)
     shared = p.get("shared")
     fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
                    and shared["w2"].shape == (d, inter))
-    n = xs.shape[0]
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
-        out, dest = _experts_pallas(xs, row_w, p, group_sizes, spec.swiglu_limit, cfgs,
-                                    shared_rows=x if fuse_shared else None)
+        out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)
         pair_rows = dest[inv]
     else:
-        out = _experts_reference(xs, row_w, p["w1"], p["w3"], p["w2"], group_sizes, spec.swiglu_limit)
+        out = _experts_reference(x[tokens], row_w, p["w1"], p["w3"], p["w2"], group_sizes,
+                                 spec.swiglu_limit)
         pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows
     y = out[pair_rows].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
