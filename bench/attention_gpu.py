@@ -22,8 +22,11 @@ Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy 
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
 (counted per request for decode). For ``pallas_fp8`` (``roofline_fp8_ms``, the row's own
 ``bytes``) a distinct window row counts D + D/32*4 bytes (512 + 64) instead of 2*D; the kernel
-itself reads each row's scales as part of a 128-byte line (the bulk-copy granule). Timing: ``gpu_common.time_jax_sets`` (back-to-back calls,
-one wait, median of 5), rotating among input sets so that repeats do not run from L2.
+itself reads each row's scales as part of a 128-byte line (the bulk-copy granule).
+Timing: ``ms`` by ``gpu_common.time_jax_sets`` (back-to-back calls, one wait, median of 5),
+rotating among input sets so that repeats do not run from L2; ``ms_one_dispatch`` by
+``time_jax_one_dispatch`` (all input sets in one jitted call), which small cases need: there
+one host dispatch per call takes longer than the GPU work.
 
     PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
     python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
@@ -45,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ceilings, rel_err, run_info, time_jax_sets, write  # noqa: E402
+from gpu_common import (ceilings, rel_err, run_info, time_jax_one_dispatch, time_jax_sets,  # noqa: E402
+                        write)
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
     STAGES, Fp8Pool, auto_splits, sparse_mqa, sparse_mqa_reference)
@@ -201,7 +205,9 @@ def run(args):
                     xla_out = out
                 elif not fp8:     # (the fp8 row differs from the bf16 XLA path by quant_err)
                     row["rel_err_vs_xla"] = rel_err(out, xla_out)
-                row["ms"] = time_jax_sets(fn, fn_sets, **({"inner": 2, "reps": 1} if smoke else {}))
+                timing = {"inner": 2, "reps": 1} if smoke else {}
+                row["ms"] = time_jax_sets(fn, fn_sets, **timing)
+                row["ms_one_dispatch"] = time_jax_one_dispatch(fn, fn_sets, **timing)
                 row["bytes"] = case["bytes_fp8"] if fp8 else case["bytes"]
                 row["roofline_ms"] = (roof8 if fp8 else roof)[key]
                 row["GBps"] = row["bytes"] / row["ms"] / 1e6
@@ -237,7 +243,8 @@ def run(args):
 
 
 def table(payload):
-    print(f"{'case':>16} {'impl':>12} {'ms':>9} {'roof ms':>9} {'%roof':>6} {'GB/s':>7} {'TFLOP/s':>8} {'rel_err':>8}")
+    print(f"{'case':>16} {'impl':>12} {'ms':>9} {'roof ms':>9} {'%roof':>6} {'GB/s':>7} {'TFLOP/s':>8} {'rel_err':>8} "
+          f"{'ms, 1 disp':>9}")
     for r in payload["rows"]:
         key = f"{r['case']['kind']}-{r['case']['n']}"
         roof = r.get("roofline_ms") or payload["roofline_ms"].get(key)
@@ -246,7 +253,7 @@ def table(payload):
             continue
         line = f"{key:>16} {r['impl']:>12} {r['ms']:9.3f} {roof:9.3f} {100 * roof / r['ms']:6.1f}"
         if "GBps" in r:      # (stage-removal rows carry a time only)
-            line += f" {r['GBps']:7.0f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e}"
+            line += f" {r['GBps']:7.0f} {r['TFLOPs']:8.1f} {r['rel_err']:8.1e} {r['ms_one_dispatch']:9.3f}"
         print(line)
 
 

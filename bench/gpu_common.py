@@ -65,6 +65,24 @@ def time_jax_sets(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def time_jax_one_dispatch(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
+    """Median milliseconds per call with every input set run by one jitted call, back to back.
+
+    ``time_jax_sets`` dispatches each call from the host, so a call shorter than one dispatch
+    (~0.05 ms) is timed by the host, not the GPU; here one dispatch carries ``len(arg_sets)``
+    calls (distinct inputs, so XLA cannot merge them)."""
+    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(many(arg_sets))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = many(arg_sets)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / (inner * len(arg_sets)) * 1e3)
+    return statistics.median(times)
+
+
 def time_torch(fn, inner: int = 10, reps: int = 5) -> float:
     """Median milliseconds per call, by CUDA events around ``inner`` back-to-back calls."""
     fn()
