@@ -169,14 +169,15 @@ def run(args):
         wkv8, wsc = jax.jit(fp8_block32_parts)(wkv)      # the window pool in FP8 (MODEL_SPEC §3.5)
         sets8 = [(q_, w_, c_, wkv8, wsc, ckv) for q_, w_, c_ in sets]
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
-        def kernels(splits=None):   # (bf16, fp8-window) kernels; splits=None: the automatic choice
-            return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, splits=splits)),
-                    jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale,
-                                                                   splits=splits)))
+        def kernels(**kw):   # (bf16, fp8-window) kernels; no splits=: the automatic choice
+            return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, **kw)),
+                    jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, **kw)))
         kernel, kernel8 = kernels()
         chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
-        chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(k)) for k in args.splits
+        chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(splits=k)) for k in args.splits
                   if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
+        chosen += [(f"pallas_bf16[gather_warps={k}]", f"pallas_fp8[gather_warps={k}]", *kernels(gather_warps=k))
+                   for k in args.gather_warps]
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -296,6 +297,8 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
+    p.add_argument("--gather-warps", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="also time the kernels with this many warps issuing the row copies, e.g. 1,2")
     a = p.parse_args()
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
     if a.plot:

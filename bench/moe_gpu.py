@@ -46,6 +46,17 @@ CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
+# --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
+# memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
+# leave 24 of 132 SMs idle, down's 120 leave 12)
+SWEEP = [
+    (GemmConfig(64, 128, 64, 5), GemmConfig(64, 256, 64, 5)),
+    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)),
+    (GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2)),
+    (GemmConfig(64, 64, 128, 3), GemmConfig(64, 128, 128, 4)),
+    (GemmConfig(64, 32, 128, 4), GemmConfig(64, 64, 128, 4)),
+    (GemmConfig(64, 128, 128, 2), GemmConfig(64, 256, 128, 2)),
+]
 
 
 def counts_for(t: int, routing: str) -> np.ndarray:
@@ -265,9 +276,12 @@ def main():
     ap.add_argument("--plot", help="write a PNG from the run (or from --from-json)")
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP block configs")
     args = ap.parse_args()
+    global E, D, I, INTERPRET, CONFIGS
+    if args.sweep:
+        CONFIGS = CONFIGS + SWEEP
     if args.smoke:
-        global E, D, I, INTERPRET, CONFIGS
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
         CONFIGS = CONFIGS[:1]

@@ -213,7 +213,7 @@ STAGES = ("row_copies", "relayout", "exchange", "mma")
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
-               skip_stages=()):
+               gather_warps: int = 4, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
@@ -224,6 +224,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
     GPU's SM count (1 when interpreted).
 
+    ``gather_warps`` (1, 2 or 4): how many warps of the producer warpgroup issue the row copies.
+
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the per-row KV copies (the staging barrier is still completed), the re-layout
     into tiles, the exchange of partial logits, or both MMAs.
@@ -231,6 +233,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     skip = frozenset(skip_stages)
     if not skip <= set(STAGES):
         raise ValueError(f"skip_stages must be a subset of {STAGES}, got {sorted(skip)}")
+    if gather_warps not in (1, 2, 4):
+        raise ValueError(f"gather_warps must be 1, 2 or 4, got {gather_warps}")
     t_len, n_heads, d = q.shape
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
@@ -312,6 +316,23 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 plgpu.barrier_arrive(sync_bar)
                 plgpu.barrier_wait(sync_bar)
 
+            def gather_rows(copy_row):
+                """``copy_row(j)`` for the 64 rows of a chunk. Compiled, each of the producer's
+                ``gather_warps`` warps issues its share: one issuing thread spends ~100 cycles a
+                row (id load, barrier arrivals, copy), which bounded the whole kernel."""
+                if interpreting or gather_warps == 1:   # no warp-level code in the 0.10 interpreter
+                    pl.loop(0, BLOCK_KV)(copy_row)
+                    return
+                per_warp = BLOCK_KV // gather_warps
+
+                @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+                def _per_warp():
+                    w = lax.axis_index("warp")
+
+                    @pl.when(w < gather_warps)
+                    def _mine():
+                        pl.loop(0, per_warp)(lambda i: copy_row(w * per_warp + i))
+
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
@@ -357,7 +378,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                     plgpu.barrier_arrive(full_bar if scale_ref is None else full8_bar)
                                 return
 
-                            @pl.loop(0, BLOCK_KV)
+                            @gather_rows
                             def _row(j):
                                 row = jnp.maximum(ids_ref[j], 0)
                                 if scale_ref is None:
@@ -366,7 +387,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
                                     plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
                                                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                                    plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row // rows_per_line, 1)],
+                                    plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(lax.div(row, rows_per_line), 1)],
                                                             scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
                                                             full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
                     if live:  # observe the last release too (the interpreter checks every phase is seen)
@@ -434,6 +455,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             ids_ref = ids_slot(g)
                             ids = cast(ids_ref[...], COL)
                             # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
+                            # With auto barriers off, this is what keeps a warp from re-laying
+                            # into my_kt while another still waits on the previous chunk's PV.
+                            plgpu.commit_smem()
                             if "relayout" not in skip:
                                 relayout_fp8(ids_ref) if fp8 else relayout_bf16()
                             plgpu.barrier_arrive(free_bar)
@@ -532,7 +556,11 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         thread_name="wg",
         # reduction_scratch_bytes=0: the only reductions are along the WGMMA row (warp
         # shuffles), and the 2 KB default would push us over the shared memory limit.
+        # unsafe_no_auto_barriers: Pallas would put a warpgroup barrier before every async copy
+        # (64 a chunk in the producer) and around every shared-memory store; the kernel orders
+        # its own accesses (mbarriers, commit_smem).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             unsafe_no_auto_barriers=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params(interpret),
     )
