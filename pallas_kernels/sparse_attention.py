@@ -21,6 +21,11 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   map) into a plain row-major *staging* buffer, and each compute warpgroup re-lays its half of
   the chunk from staging into a swizzled tiled buffer through registers (load in the WGMMA
   layout, store tiled). That pass is also where fp8 pools are dequantised (below).
+  Issuing a row copy costs its thread ~100 cycles (the id's shared-memory load, the
+  barrier's expected-bytes arrival, the copy), so the producer's four warps each issue 16 of a
+  chunk's 64 copies (``gather_warps``), and Pallas's automatic warpgroup barriers are off
+  (one came before every copy): the kernel orders its shared memory itself with mbarriers
+  and ``commit_smem``.
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
   the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
   Q, of K = V and of the output. QK^T then yields only a partial logit tile per warpgroup

@@ -138,7 +138,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
 
 
 @pytest.mark.parametrize("up,down,fp8", [
-    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4), False),
+    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4), False),   # the decode-size default
     (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2), False),
     (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), False),
     # fp8: one warpgroup, tiles within a 128 x 128 scale block
