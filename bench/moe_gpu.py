@@ -22,7 +22,6 @@ block-scaled fp8 grouped weights on Hopper (GPU_KERNELS.md §5), so those rows h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import time
 import traceback
@@ -48,7 +47,6 @@ CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
-# --sync-mma adds the two-warpgroup configs with each wgmma waited for within its step
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
 # leave 24 of 132 SMs idle, down's 120 leave 12)
@@ -117,7 +115,7 @@ def impls(xs, w1, w3, w2, counts):
     for cu, cd in CONFIGS:
         x_al, dest, block_expert = aligned(xs, gs, n, cu.rows)
         name = (f"megajax[{cu.compute_wgs}wg:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
-                f"{cd.block_n}x{cd.block_k}/{cd.stages}{'' if cu.async_mma else ',sync'}]")
+                f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
         up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=cu, interpret=INTERPRET)
         down = functools.partial(grouped_matmul, cfg=cd, interpret=INTERPRET)
         out[name] = ("jax", jax.jit(lambda x, a, b, c, be, up=up, down=down: down(up(x, a, b, be), c, be)),
@@ -279,15 +277,10 @@ def main():
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP block configs")
-    ap.add_argument("--sync-mma", action="store_true",
-                    help="also time the two-warpgroup configs with async_mma=False")
     args = ap.parse_args()
     global E, D, I, INTERPRET, CONFIGS
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
-    if args.sync_mma:
-        CONFIGS = CONFIGS + [tuple(dataclasses.replace(c, async_mma=False) for c in pair)
-                             for pair in CONFIGS if pair[0].compute_wgs > 1]
     if args.smoke:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()

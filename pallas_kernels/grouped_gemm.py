@@ -50,15 +50,12 @@ from pallas_kernels.compat import transposed
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles per compute warpgroup; ``compute_wgs=2`` adds a TMA producer warpgroup and two
-    wgmma consumers that share each weight tile over ``2 * block_m`` rows (warp specialised).
-    ``async_mma`` (warp specialised): each step's wgmma stays in flight through the next
-    step, its input slot released one step later; ``False`` waits for it within its step."""
+    wgmma consumers that share each weight tile over ``2 * block_m`` rows (warp specialised)."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     compute_wgs: int = 1
-    async_mma: bool = True
 
     @property
     def rows(self) -> int:
@@ -169,7 +166,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
     def store(accs, o_smem, o_gmem):
-        plgpu.wgmma_wait(0)  # the last step's wgmma may still be in flight
         o_smem[...] = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
@@ -229,16 +225,14 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
         def pipeline(step, context):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, int(cfg.async_mma)),
+                step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
                 compute_context=context)
 
         def step(_, x_smem, *rest):
             *w_smem, accs = rest
             mma(accs, x_smem.at[pl.ds(wg * bm, bm)], w_smem)
-            # The producer refills a slot once its release comes: with async_mma one step
-            # later, so only this step's wgmma may still run when the step returns.
-            plgpu.wgmma_wait(1 if cfg.async_mma else 0)
+            plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
             return accs
 
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
