@@ -130,10 +130,13 @@ def test_fp8_quantiser_matches_the_spec():
 
 
 @pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
-@pytest.mark.parametrize("t_len,splits", [(4 * 64, 1), (4096, 1), (4 * 8, 4)])   # decode 64 / 8 requests, a prefill chunk
-def test_cross_lowering_v41_shapes(t_len, splits, kinds):
+@pytest.mark.parametrize("t_len,splits,gather_warps", [
+    (4 * 64, 1, 4), (4096, 1, 4), (4 * 8, 4, 4),   # decode 64 / 8 requests, a prefill chunk
+    (4 * 64, 1, 2), (4 * 64, 1, 1)])               # fewer warps issuing the row copies
+def test_cross_lowering_v41_shapes(t_len, splits, gather_warps, kinds):
     """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
-    (fp8+bf16 is the tightest: both staging layouts share one buffer, 226 KB of 227)."""
+    (fp8+bf16 is the tightest: both staging layouts share one buffer, 226 KB of 227), and the
+    warp-level gather that the interpreter does not run."""
     heads, d = 64, 512
     q = jax.ShapeDtypeStruct((t_len, heads, d), jnp.bfloat16)
 
@@ -147,7 +150,7 @@ def test_cross_lowering_v41_shapes(t_len, splits, kinds):
     fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
     pools = [pool(n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
     sink = jax.ShapeDtypeStruct((heads,), jnp.float32)
-    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits))
+    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits, gather_warps=gather_warps))
     text = fn.trace(q, pools, sink).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -159,12 +162,14 @@ def test_rejects_unsupported_shapes():
                    jnp.zeros((48,), jnp.float32), 1.0)
 
 
-@pytest.mark.parametrize("splits", [0, 3])   # 2 chunks: 3 splits would leave one empty
-def test_rejects_bad_split_counts(splits):
+@pytest.mark.parametrize("kw,what", [({"splits": 0}, "splits"),
+                                     ({"splits": 3}, "splits"),   # 2 chunks: 3 splits would leave one empty
+                                     ({"gather_warps": 3}, "gather_warps")])
+def test_rejects_bad_split_and_gather_counts(kw, what):
     q = jnp.zeros((2, 64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="splits"):
+    with pytest.raises(ValueError, match=what):
         sparse_mqa(q, [(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 128), jnp.int32))],
-                   jnp.zeros((64,), jnp.float32), 1.0, splits=splits)
+                   jnp.zeros((64,), jnp.float32), 1.0, **kw)
 
 
 def test_auto_splits_fills_the_sms_at_small_batch_only():
