@@ -47,6 +47,13 @@ CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
+# fp8 weights (one compute warpgroup, tiles within a 128 x 128 scale block): the 64-wide
+# tiles need 80 KB of shared memory, so two CTAs (two dequantising warpgroups) share an SM
+FP8_CONFIGS = [
+    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4)),
+    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 64, 64, 4)),
+    (GemmConfig(64, 64, 128, 3), GemmConfig(64, 64, 128, 3)),
+]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
 # leave 24 of 132 SMs idle, down's 120 leave 12)
@@ -114,8 +121,7 @@ def impls(xs, w1, w3, w2, counts):
     out = {}
     for cu, cd in CONFIGS:
         x_al, dest, block_expert = aligned(xs, gs, n, cu.rows)
-        name = (f"megajax[{cu.compute_wgs}wg:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
-                f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
+        name = config_name("megajax", cu, cd)
         up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=cu, interpret=INTERPRET)
         down = functools.partial(grouped_matmul, cfg=cd, interpret=INTERPRET)
         out[name] = ("jax", jax.jit(lambda x, a, b, c, be, up=up, down=down: down(up(x, a, b, be), c, be)),
@@ -188,15 +194,22 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False):
                 fp8_impls(xs, q1, q3, q2, counts), ref, rows, roof)
 
 
+def config_name(prefix, cu, cd):
+    return (f"{prefix}[{cu.compute_wgs}wg:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
+            f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
+
+
 def fp8_impls(xs, q1, q3, q2, counts):
     n = int(counts.sum())
-    cu = cd = GemmConfig(64, 128, 64, 4)
-    x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
-    fn = jax.jit(lambda x, a, b, c, be: grouped_matmul(
-        grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
-        interpret=INTERPRET))
-    return {"megajax_fp8w[1wg:64x128x64/4,128x64/4]": ("jax", fn, (x_al, q1, q3, q2, block_expert),
-                                                       lambda y: y[dest])}
+    out = {}
+    for cu, cd in FP8_CONFIGS:
+        x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
+        fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
+            grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
+            interpret=INTERPRET))
+        out[config_name("megajax_fp8w", cu, cd)] = ("jax", fn, (x_al, q1, q3, q2, block_expert),
+                                                    lambda y, dest=dest: y[dest])
+    return out
 
 
 def measure(key, case, variants, ref, rows, roof):
