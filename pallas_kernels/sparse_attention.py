@@ -390,6 +390,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                     plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
                                                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
                                 else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
+                                    # (lax.div: `//` lowers through sign(), which warp-level code lacks)
                                     plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
                                                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
                                     plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(lax.div(row, rows_per_line), 1)],
