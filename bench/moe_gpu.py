@@ -47,18 +47,21 @@ CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
-# fp8 weights (one compute warpgroup, tiles within a 128 x 128 scale block): the 64-wide
-# tiles need 80 KB of shared memory, so two CTAs (two dequantising warpgroups) share an SM
+# fp8 weights (tiles within a 128 x 128 scale block): the 64-wide one-warpgroup tiles need
+# 80 KB of shared memory, so two CTAs (two dequantising warpgroups) share an SM; the split-n
+# configs give each of two compute warpgroups half of every tile to dequantise
 FP8_CONFIGS = [
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4)),
     (GemmConfig(64, 64, 64, 4), GemmConfig(64, 64, 64, 4)),
     (GemmConfig(64, 64, 128, 3), GemmConfig(64, 64, 128, 3)),
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n")),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
 # leave 24 of 132 SMs idle, down's 120 leave 12)
 SWEEP = [
     (GemmConfig(64, 128, 64, 5), GemmConfig(64, 256, 64, 5)),
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 256, 64, 4, 2, "n")),
     (GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2)),
     (GemmConfig(64, 64, 128, 3), GemmConfig(64, 128, 128, 4)),
     (GemmConfig(64, 32, 128, 4), GemmConfig(64, 64, 128, 4)),
@@ -195,7 +198,8 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False):
 
 
 def config_name(prefix, cu, cd):
-    return (f"{prefix}[{cu.compute_wgs}wg:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
+    split = "" if cu.compute_wgs == 1 else f" split {cu.split}"
+    return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 
 

@@ -22,8 +22,10 @@ shared expert's CTAs fill SMs that the routed grid leaves idle.
 fp8 weights (``QuantizedWeight``: e4m3 with one scale per 128 x 128 block, DeepSeek's
 layout) stream at half the bytes; Hopper's wgmma has no mixed fp8 x bf16 form, so each step
 dequantises the fp8 tile through registers into a bf16 tile (the CTA's tile scales are
-loaded once) before the wgmma. One compute warpgroup only: the decode regime, where the
-weight bytes are the cost.
+loaded once) before the wgmma. With one compute warpgroup that pass runs in series with the
+wgmma; warp specialised, the two compute warpgroups split the tile's columns
+(``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
+warpgroup streams the next.
 
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a
@@ -49,18 +51,31 @@ from pallas_kernels.compat import transposed
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tiles per compute warpgroup; ``compute_wgs=2`` adds a TMA producer warpgroup and two
-    wgmma consumers that share each weight tile over ``2 * block_m`` rows (warp specialised)."""
+    """A CTA's tile and pipeline; ``compute_wgs=2`` adds a TMA producer warpgroup and two
+    wgmma consumers (warp specialised) that share each step's tiles: ``split="m"`` gives each
+    its own ``block_m`` rows of a ``compute_wgs * block_m`` x ``block_n`` tile, ``split="n"``
+    its own ``block_n // compute_wgs`` columns of a ``block_m`` x ``block_n`` tile (so each
+    dequantises only its half of an fp8 weight tile: fp8 weights need it)."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     compute_wgs: int = 1
+    split: str = "m"
+
+    def __post_init__(self):
+        if self.split not in ("m", "n") or self.block_n % self.compute_wgs:
+            raise ValueError(f"split must be 'm' or 'n' with block_n divisible by compute_wgs: {self}")
 
     @property
     def rows(self) -> int:
         """Rows per CTA: the block alignment the layout must use."""
-        return self.block_m * self.compute_wgs
+        return self.block_m * (self.compute_wgs if self.split == "m" else 1)
+
+    @property
+    def cols(self) -> int:
+        """Output columns per compute warpgroup."""
+        return self.block_n // (self.compute_wgs if self.split == "n" else 1)
 
 
 class QuantizedWeight(NamedTuple):
@@ -127,8 +142,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     if block_expert.shape != (m // rows,):
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
     quantized = any(isinstance(w, QuantizedWeight) for st in stacks for w in st)
-    if quantized and (cfg.compute_wgs != 1 or 128 % bn or 128 % bk or n % 128 or k % 128):
-        raise NotImplementedError("fp8 weights need one compute warpgroup and tiles dividing 128")
+    ws = cfg.compute_wgs > 1
+    if quantized and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
+        raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
     # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
     kn = interpret is not None
@@ -138,7 +154,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
     steps = k // bk
     tile = (bk, bn) if kn else (bn, bk)
-    acc_shapes = [plgpu.ACC((bm, bn))] * n_ops
+    bc = cfg.cols
+    acc_shapes = [plgpu.ACC((bm, bc))] * n_ops
+    n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
     # kernel operands per stack: each weight, then the tile scales of its fp8 weights
     flat = []
     for st in stacks:
@@ -154,6 +172,27 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             @pl.when((expert >= lo) & (expert < lo + st[0].shape[0]))
             def _(refs=refs, scales=scales, lo=lo):
                 run(tuple(w.at[expert - lo] for w in refs), tuple(s.at[expert - lo] for s in scales))
+
+    def load_scales(scales, s_smem, barrier, ni, first=0):
+        """This CTA's tile scales of each fp8 weight (one row per weight), loaded once, each
+        through barrier ``first + j``."""
+        for j, sc in enumerate(scales):
+            plgpu.copy_gmem_to_smem(sc.at[ni], s_smem.at[j], barrier.at[first + j])
+            plgpu.barrier_wait(barrier.at[first + j])
+
+    def dequantized(w_tiles, w, s_smem, wb_smem, step):
+        """The step's weight tiles for the wgmma: bf16 tiles as they are, fp8 tiles times their
+        block scale through registers into ``wb_smem`` (Hopper's wgmma has no fp8 x bf16)."""
+        tiles, j = [], 0
+        for wt, wq in zip(w_tiles, w):
+            if wq.dtype == jnp.bfloat16:
+                tiles.append(wt)
+                continue
+            wb_smem[j] = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
+            tiles.append(wb_smem.at[j])
+            j += 1
+        plgpu.commit_smem()
+        return tiles
 
     def in_specs(mi, ni, delay_release):
         w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
@@ -184,23 +223,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 return
 
             def dequant(s_smem, wb_smem, barrier):
-                # this CTA's tile scales, then per step: fp8 tile → registers → scaled bf16 tile
-                for j, sc in enumerate(scales):
-                    plgpu.copy_gmem_to_smem(sc.at[ni], s_smem.at[j], barrier.at[j])
-                    plgpu.barrier_wait(barrier.at[j])
+                load_scales(scales, s_smem, barrier, ni)
 
                 def step(idx, x, *w_smem):
                     plgpu.wgmma_wait(0)  # the last step's wgmma has read the bf16 tiles
-                    tiles, j = [], 0
-                    for wt, wq in zip(w_smem, w):
-                        if wq.dtype == jnp.bfloat16:
-                            tiles.append(wt)
-                            continue
-                        wb_smem[j] = (wt[...].astype(jnp.float32) * s_smem[j, idx[0]]).astype(jnp.bfloat16)
-                        tiles.append(wb_smem.at[j])
-                        j += 1
-                    plgpu.commit_smem()
-                    mma(accs, x, tiles)
+                    mma(accs, x, dequantized(w_smem, w, s_smem, wb_smem, idx[0]))
                 # delay_release=1 here too: step s's wgmma reads its x slot asynchronously
                 # until step s+1's wgmma_wait, so the slot may only be refilled after that
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
@@ -229,30 +256,48 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
                 compute_context=context)
 
-        def step(_, x_smem, *rest):
-            *w_smem, accs = rest
-            mma(accs, x_smem.at[pl.ds(wg * bm, bm)], w_smem)
-            plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
-            return accs
+        # this warpgroup's part of each step's tiles, and of the output tile
+        my_rows, my_cols = (wg * bm, 0) if cfg.split == "m" else (0, wg * bc)
+
+        def my_part(w_tile):
+            return w_tile if cfg.split == "m" else (w_tile.at[:, pl.ds(my_cols, bc)] if kn
+                                                    else w_tile.at[pl.ds(my_cols, bc)])
 
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*shapes),
-                           o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bn), lhs.dtype),
+                           o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
+                           fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
+                                plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
+                                           jnp.bfloat16),
+                                plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max)) if n_q_max else None,
                            collective_axes="wg")
-        def _(allocs, o_smem):
-            def context(run):
-                def scope(*accs):
-                    run(accs)
-                    store(accs, o_smem.at[wg],
-                          out_gmem.at[pl.ds(mi * rows + wg * bm, bm), pl.ds(ni * bn, bn)])
-                pl.run_scoped(scope, *acc_shapes)
+        def _(allocs, o_smem, fp8):
+            def run(w, scales):
+                def step(idx, x_smem, *rest):
+                    *w_smem, accs = rest
+                    tiles = [my_part(t) for t in w_smem]
+                    if scales:
+                        tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
+                    mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
+                    plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
+                    return accs
 
-            per_stack(expert, w_gmem,
-                      lambda w, _: pipeline(step, context)(lhs_gmem, *w, allocations=allocs))
+                def context(body):
+                    if scales:
+                        load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
 
-    ws = cfg.compute_wgs > 1
+                    def scope(*accs):
+                        body(accs)
+                        store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
+                                                                pl.ds(ni * bn + my_cols, bc)])
+                    pl.run_scoped(scope, *acc_shapes)
+
+                pipeline(step, context)(lhs_gmem, *w, allocations=allocs)
+
+            per_stack(expert, w_gmem, run)
+
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
         out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // rows, n // bn),

@@ -36,8 +36,9 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2)],
-                         ids=["one-warpgroup", "warp-specialised"])
+@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2),
+                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n")],
+                         ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n"])
 def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3."""
     e, d, inter, limit = 3, 128, 128, 2.5
@@ -71,9 +72,12 @@ def quantized(key, shape):
     return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
 
 
-def test_fp8_block_scaled_weights_match_reference(rng):
-    """fp8 routed and shared experts, dequantised in the kernel (one warpgroup)."""
-    cfg, e, d, inter, limit = GemmConfig(64, 64, 64, 2), 2, 128, 256, 3.0
+@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n")],
+                         ids=["one-warpgroup", "warp-specialised-split-n"])
+def test_fp8_block_scaled_weights_match_reference(cfg, rng):
+    """fp8 routed and shared experts, dequantised in the kernel (by one warpgroup, or by two,
+    each its half of the tile's columns)."""
+    e, d, inter, limit = 2, 128, 256, 3.0
     sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
     n = int(sizes.sum())
     dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
@@ -141,8 +145,10 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4), False),   # the decode-size default
     (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2), False),
     (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), False),
-    # fp8: one warpgroup, tiles within a 128 x 128 scale block
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 256, 64, 4, 2, "n"), False),
+    # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
