@@ -64,8 +64,8 @@ class GemmConfig:
     split: str = "m"
 
     def __post_init__(self):
-        if self.split not in ("m", "n") or self.block_n % self.compute_wgs:
-            raise ValueError(f"split must be 'm' or 'n' with block_n divisible by compute_wgs: {self}")
+        if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
+            raise ValueError(f"split is 'm' or 'n' (then block_n divisible by compute_wgs): {self}")
 
     @property
     def rows(self) -> int:

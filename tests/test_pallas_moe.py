@@ -167,3 +167,9 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
         sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"}])
+def test_gemm_config_rejects_a_split_it_cannot_do(kw):
+    with pytest.raises(ValueError, match="split"):
+        GemmConfig(**kw)
