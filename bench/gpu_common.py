@@ -30,6 +30,8 @@ except ImportError:  # the CPU smoke run has no torch
 
 
 def commit() -> str:
+    """The commit measured: ``MEGAJAX_COMMIT`` if set (pass it on the device machine, whose
+    copy of the tree may carry a stale git checkout), else this tree's HEAD."""
     if os.environ.get("MEGAJAX_COMMIT"):
         return os.environ["MEGAJAX_COMMIT"]
     try:
