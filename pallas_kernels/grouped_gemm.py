@@ -313,7 +313,7 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None,
     """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // cfg.rows]``.
 
     x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight``
-    (fp8, one warpgroup configs); ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
+    (fp8: one compute warpgroup or ``split="n"``); ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
     the shared expert. Returns ``[M, I]`` in x's dtype.
     """
     stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared)),))
