@@ -13,7 +13,7 @@ query chunks where one shot would not fit, which the row says). Each kernel row 
 ``rel_err`` against the fp32 reference (sparse_mqa_reference) on a sample of query tokens,
 ``rel_err_vs_xla`` over all tokens, and ``finite`` (no NaN/Inf anywhere in the output).
 ``pallas_fp8`` is the same kernel with the V4.1 pool layout: the window pool in FP8 (e4m3 +
-one fp32 power-of-two scale per 32 channels, MODEL_SPEC §3.5, quantised from the bf16 window
+one power-of-two scale per 32 channels as its UE8M0 byte, MODEL_SPEC §3.5, quantised from the bf16 window
 pool), the compressed pool in bf16 (the kernel has no FP4 path). Its ``rel_err`` is against the
 fp32 reference on the same fp8 pools (dequantised); ``quant_err`` is that reference against
 the bf16 one (the effect of the quantisation itself, not of the kernel).
@@ -21,8 +21,8 @@ the bf16 one (the effect of the quantisation itself, not of the kernel).
 Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
 (counted per request for decode). For ``pallas_fp8`` (``roofline_fp8_ms``, the row's own
-``bytes``) a distinct window row counts D + D/32*4 bytes (512 + 64) instead of 2*D; the kernel
-itself reads each row's scales as part of a 128-byte line (the bulk-copy granule).
+``bytes``) a distinct window row counts D + D/32 bytes (512 values + 16 UE8M0 scale bytes)
+instead of 2*D.
 Timing: ``ms`` by ``gpu_common.time_jax_sets`` (back-to-back calls, one wait, median of 5),
 rotating among input sets so that repeats do not run from L2; ``ms_one_dispatch`` by
 ``time_jax_one_dispatch`` (all input sets in one jitted call), which small cases need: there
@@ -54,6 +54,7 @@ from gpu_common import (ceilings, rel_err, run_info, time_jax_one_dispatch, time
 from pallas_kernels.sparse_attention import (  # noqa: E402
     STAGES, Fp8Pool, auto_splits, sparse_mqa, sparse_mqa_reference)
 from model.quant import fp8_block32_parts  # noqa: E402
+from pallas_kernels.sparse_attention import ue8m0  # noqa: E402
 
 L2_BYTES = 60e6
 
@@ -146,7 +147,7 @@ def run(args):
             case["kernel_splits"] = auto_splits(t, h, [(wkv, w0), (ckv, c0)], getattr(jax.devices()[0], "core_count", 0))
             n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
             kv_bytes = (n_w + n_c) * d * 2
-            kv8_bytes = n_w * (d + d // 32 * 4) + n_c * d * 2     # fp8 window rows + their scales
+            kv8_bytes = n_w * (d + d // 32) + n_c * d * 2        # fp8 window rows + their scale bytes
             qo_bytes = 2 * t * h * d * 2
             set_bytes = kv_bytes + qo_bytes
             n_sets = 2 if smoke else min(8, max(2, math.ceil(2 * L2_BYTES / set_bytes)))
@@ -166,7 +167,7 @@ def run(args):
         # the pools are arguments, not closure constants: captured, they would be baked into
         # the executable (GBs of constants and minutes of compilation)
         pools_of = lambda w, c: [(wkv, w), (ckv, c)]  # noqa: E731  (untimed reference only)
-        wkv8, wsc = jax.jit(fp8_block32_parts)(wkv)      # the window pool in FP8 (MODEL_SPEC §3.5)
+        wkv8, wsc = jax.jit(lambda x: (lambda v, s: (v, ue8m0(s)))(*fp8_block32_parts(x)))(wkv)  # FP8 window (§3.5)
         sets8 = [(q_, w_, c_, wkv8, wsc, ckv) for q_, w_, c_ in sets]
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
         def kernels(**kw):   # (bf16, fp8-window) kernels; no splits=: the automatic choice
@@ -176,8 +177,6 @@ def run(args):
         chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
         chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(splits=k)) for k in args.splits
                   if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
-        chosen += [(f"pallas_bf16[gather_warps={k}]", f"pallas_fp8[gather_warps={k}]", *kernels(gather_warps=k))
-                   for k in args.gather_warps]
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -196,7 +195,7 @@ def run(args):
             if impl == "xla_bf16" and chunk:
                 row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
             if fp8:
-                row["note"] = "window pool fp8 e4m3 + per-32 fp32 UE8M0 scales, compressed pool bf16"
+                row["note"] = "window pool fp8 e4m3 + per-32 UE8M0 scale bytes, compressed pool bf16"
                 row["quant_err"] = rel_err(ref8, ref)
             try:
                 out = jax.block_until_ready(fn(*fn_sets[0]))
@@ -219,13 +218,21 @@ def run(args):
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        # stage removal (--stages): the bf16 kernel with one stage left out, then all four
-        for skip in ([(st,) for st in STAGES] + [STAGES]) if args.stages else ():
-            row = {"case": case, "impl": "pallas_bf16-skip:" + "+".join(skip), "ms": None,
+        # stage removal (--stages): the bf16 kernel with one stage left out, then all of them;
+        # the fp8 kernel without its dequantisation
+        bf16_stages = tuple(st for st in STAGES if st != "dequant")
+        removals = [("pallas_bf16", (st,)) for st in bf16_stages] + [("pallas_bf16", bf16_stages), ("pallas_fp8", ("dequant",))]
+        for impl, skip in removals if args.stages else ():
+            row = {"case": case, "impl": f"{impl}-skip:" + "+".join(skip), "ms": None,
                    "note": "stage-removal timing only: the output is wrong by design"}
             try:
-                fn = jax.jit(lambda q, w, c, a, b, skip=skip: sparse_mqa(q, [(a, w), (b, c)], sink, scale, skip_stages=skip))
-                row["ms"] = time_jax_sets(fn, sets, **({"inner": 2, "reps": 1} if smoke else {}))
+                if impl == "pallas_fp8":
+                    fn = jax.jit(lambda q, w, c, a8, asc, b, skip=skip: sparse_mqa(
+                        q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, skip_stages=skip))
+                else:
+                    fn = jax.jit(lambda q, w, c, a, b, skip=skip: sparse_mqa(q, [(a, w), (b, c)], sink, scale, skip_stages=skip))
+                row["ms"] = time_jax_sets(fn, sets8 if impl == "pallas_fp8" else sets,
+                                          **({"inner": 2, "reps": 1} if smoke else {}))
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:2000]
                 traceback.print_exc()
@@ -297,8 +304,6 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
-    p.add_argument("--gather-warps", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                   help="also time the kernels with this many warps issuing the row copies, e.g. 1,2")
     a = p.parse_args()
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
     if a.plot:

@@ -15,35 +15,38 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   softmax. The sink is folded in as the softmax's starting state (running max ``m = sink``,
   running sum ``l = 1``, ``acc = 0``), so it costs nothing per chunk and a fully masked row
   ends at ``acc / l = 0``.
-* Gather. Hopper has no TMA gather, and wgmma wants its operands in 8-row swizzled tiles, so a
-  single key row cannot be written into its tile by one copy. The producer warpgroup therefore
-  issues one contiguous 1-D bulk copy per row (``cp.async.bulk``, 1 KB for D=512, no tensor
-  map) into a plain row-major *staging* buffer, and each compute warpgroup re-lays its half of
-  the chunk from staging into a swizzled tiled buffer through registers (load in the WGMMA
-  layout, store tiled). That pass is also where fp8 pools are dequantised (below).
-  Issuing a row copy costs its thread ~100 cycles (the id's shared-memory load, the
-  barrier's expected-bytes arrival, the copy), so the producer's four warps each issue 16 of a
-  chunk's 64 copies (``gather_warps``), and Pallas's automatic warpgroup barriers are off
-  (one came before every copy): the kernel orders its shared memory itself with mbarriers
-  and ``commit_smem``.
+* Gather. Hopper has no TMA gather, and wgmma wants its operands in 8-row tiles with a
+  128-byte swizzle. The producer warpgroup's 128 threads therefore copy the chunk in 16-byte
+  ``cp.async`` pieces (Mosaic GPU code inlined through ``plgpu.inline_mgpu``), each piece
+  straight to its swizzled place in the tile: nothing re-lays the rows afterwards (FlashMLA's
+  Hopper sparse kernel gathers the same way). Consecutive threads take consecutive pieces of
+  a row, so global reads coalesce and the swizzle spreads the shared writes over all banks.
+* Two K/V slots. While the compute warpgroups work on chunk g in one slot, chunk g+1's rows
+  land in the other. The producer, per chunk: waits for its own copies of the previous chunk
+  (``cp.async.wait_group``), fences them for the tensor cores and arrives on that slot's
+  "full" barrier; waits for the slot it is about to fill to be released (the compute
+  warpgroups arrive on its "free" barrier after their P @ V); then issues the chunk's
+  copies. Row ids come through shared memory (a scalar global load per row would serialise
+  DRAM round trips), fetched by TMA one chunk ahead into three slots: a slot is refilled
+  only after both compute warpgroups have released the chunk that read it.
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
   the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
-  Q, of K = V and of the output. QK^T then yields only a partial logit tile per warpgroup
-  (contraction over its half of D); the two halves are exchanged through 2 x 16 KB of shared
-  memory and summed (fp32 addition commutes, so both warpgroups get bitwise the same logits,
-  hence the same softmax). Each warpgroup then runs P @ V on its own D half: no redundant
-  MMA work, and K/V tiles are only ever read by the warpgroup that re-laid them.
-* FP8 pools (MODEL_SPEC §3.5: e4m3 values, one power-of-two fp32 scale per 32 channels;
-  V4.1 keeps its window KV so): the producer bulk-copies each gathered row's 512 bytes into an
-  fp8 staging buffer and, next to it, the 128-byte line of fp32 scales that holds the row's 16
-  scales (Mosaic GPU's bulk copies move multiples of 128 bytes, a row's scales are 64: the
-  scales are viewed as lines [N*16/32, 32], two rows per line at D=512, and the compute side
-  picks the row's half by the parity of its id). The re-layout loads the fp8 piece in the WGMMA
-  layout, converts e4m3 -> f16 -> f32, multiplies by the row's scale for the column's group
-  (two per-row scale vectors per 64-column piece, selected by column), and stores bf16 into the
-  same swizzled tiles: every later step is the bf16 kernel's. The products are exact (e4m3
-  times a power of two fits bf16), so an fp8 pool gives the same result as the bf16 pool of
-  its dequantised values. Gathered bytes per row: 512 + 128 instead of 1024.
+  Q, of K = V and of the output (each K/V slot holds the two halves as separate tiles).
+  QK^T then yields only a partial logit tile per warpgroup (contraction over its half of D);
+  the two halves are exchanged through 2 x 16 KB of shared memory and summed (fp32 addition
+  commutes, so both warpgroups get bitwise the same logits, hence the same softmax). Each
+  warpgroup then runs P @ V on its own D half: no redundant MMA work.
+* FP8 pools (MODEL_SPEC §3.5: e4m3 values, one power-of-two scale per 32 channels stored as
+  its UE8M0 exponent byte; V4.1 keeps its window KV so): the producer copies each row's D
+  fp8 bytes, split in halves, into a row-major fp8 view of the slot that lies inside the
+  half-tile of the warpgroup that owns them (rows padded to D/2 + 16 bytes, which keeps the
+  WGMMA-layout reads conflict free), and the row's D/32 scale bytes into that padding.
+  Before its QK^T each compute warpgroup dequantises its half in place: it loads the fp8
+  values and its scale bytes into registers, syncs its four warps, converts
+  (e4m3 -> f32, times 2^(e - 127), -> bf16: exact, since e4m3 times a power of two fits
+  bf16) and stores the bf16 tile over the same bytes. From there on the chunk is a bf16
+  chunk, so an fp8 pool gives the same result as the bf16 pool of its dequantised values.
+  Gathered bytes per row: D + D/32 instead of 2 D.
 * Small batches (flash-decoding): with fewer query tokens than SMs, ``splits`` CTAs share a
   token's key chunks; each starts from an empty softmax (split 0 from the sink), writes its
   normalised partial output with its running max and sum, and an XLA pass weights and sums
@@ -54,32 +57,22 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
 
 Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
-reused for its output tile) + staging 65 KB (rows padded by 16 B against bank conflicts) +
-tiled K/V 2 x 32 KB + logit exchange 2 x 16 KB (swizzled) + 1 KB for two chunks' row ids and
-the sink = 227 KB, 1 KB under the limit (every allocation is rounded up to 1 KB, hence the
-sink sharing the ids buffer). The producer copies each chunk's 64 row ids into shared memory
-and reads them from there (a scalar global load per row would serialise 64 DRAM latencies),
-one chunk ahead in two slots, so that no id fetch waits between a staging release and the
-next chunk's row copies; the compute warpgroups take the -1 mask from the same slot. Staging is
-single-buffered, but it is released as soon as both warpgroups have pulled it into registers,
-so the next chunk's row copies overlap the current chunk's QK^T / softmax / PV (staging and
-the tiled buffer act as a 2-deep pipeline). Registers per compute thread: acc 128 (fp32
-[64, 256]) + logits 32 + P 16 + re-layout 8 per 64-column piece.
-
-With fp8 pools the staging is 64 x (512 + 16) bytes of e4m3 plus 64 x (32 + 4) fp32 scale
-lines = 42 KB instead of 65 KB: fp8-only kernels use 203 KB. With both kinds of pool (the V4.1
-layout) the two staging layouts share one 65 KB buffer (``plgpu.RefUnion``; a chunk is only
-read through the view it was written through, and the staging release orders the chunks),
-plus one barrier for the fp8 chunks (64 x 2 copies): 231,472 bytes against bf16-only's 231,464.
+reused for its output tile) + K/V 2 slots x 2 halves x 32 KB + logit exchange 2 x 16 KB
+(swizzled) + 1 KB for three chunks' row ids and the sink = 225 KB. The fp8 view of a slot
+is a ``plgpu.RefUnion`` member over the same bytes: region (slot, half) holds 64 rows of
+D/2 + 16 bytes (17 KB) at a pitch of ``_fp8_region_rows`` rows, chosen so that every region
+starts and ends inside its own bf16 half-tile; so a warpgroup's in-place dequantisation
+never touches the other warpgroup's bytes (the union adds 576 bytes: 226 KB). Registers per
+compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8 dequant the
+acc + 64 for the fp8 half + 16 scales.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
   * bf16 pools ``(kv, idx)``: ``kv`` [N, D] bf16, or
   * fp8 pools ``Fp8Pool(kv, scale, idx)`` (or the plain tuple ``(kv, scale, idx)``): ``kv``
-    [N, D] float8_e4m3fn, ``scale`` [N, D // 32] float32 powers of two
-    (``model.quant.fp8_block32_parts`` makes both), D in (128, 256, 512); keep N a multiple
-    of 128 // (D/8) (2 at D=512), or
-    each call pads the scales by a copy;
+    [N, D] float8_e4m3fn, ``scale`` [N, D // 32] uint8 UE8M0 exponents (the scale is
+    2^(e - 127); ``ue8m0`` converts power-of-two fp32 scales such as
+    ``model.quant.fp8_block32_parts`` makes);
 each with ``idx`` [T, S] int32, entries in [-1, N) (masked slots fetch row 0, which keeps
 P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kinds in any order.
 """
@@ -96,41 +89,62 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax._src import config  # the (private) switch behind force_gpu_interpret_mode
 
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
 from pallas_kernels.compat import transposed
 
 HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
-BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used for the re-layout is 64 rows)
+BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used by the fp8 dequant is 64 rows)
+SLOTS = 2         # K/V tile slots: one being filled while the other is computed on
+ID_SLOTS = 3      # row-id slots: one chunk ahead of the copies, which run one ahead of compute
 LOG2E = math.log2(math.e)
 NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX - NO_MAX) = 1
-# Staging rows are padded by 16 bytes so that reading a 64x64 block of them in the WGMMA
-# layout (8 rows x 16 B per quarter-warp) hits 8 distinct bank groups instead of one.
-STAGE_PAD = 8
-# fp8 staging rows are padded by 16 bytes for the same reason (16 fp8 elements), and so are
-# the staged scale lines (4 fp32), so that the strided column read of one scale group over 64
-# rows (the WGMMA row layout) spreads over the banks.
-STAGE_PAD_FP8 = 16
-SCALE_PAD = 4
-# Mosaic GPU's bulk copies (Lane semantics) move multiples of 128 bytes, and a row's scales are
-# only D/32 * 4 = 64 bytes at D=512: the kernel sees the scales as lines of 128 bytes (32 fp32,
-# the scales of 128 // (D/8) consecutive rows), copies the line holding the row and picks the
-# row's part by its id in registers.
-SCALE_LINE = 32
+# fp8 rows in a slot are D/2 + 16 bytes apart: reading a 64x64 block in the WGMMA layout
+# (8 rows x 16 B per quarter-warp) then hits 8 distinct bank groups instead of one, and the
+# 16 bytes hold the row's D/32 UE8M0 scale bytes.
+FP8_PAD = 16
+COPY = 16         # bytes per cp.async piece
+WARPGROUP = 128   # threads
 
 
 class Fp8Pool(NamedTuple):
     """An fp8 KV pool (MODEL_SPEC §3.5, FP8 block 32 UE8M0): row ``r`` of K = V is
-    ``kv[r, c] * scale[r, c // 32]``. ``kv`` [N, D] float8_e4m3fn, ``scale`` [N, D // 32]
-    float32 powers of two, ``idx`` [T, S] int32 in [-1, N). A plain 3-tuple
+    ``kv[r, c] * 2**(scale[r, c // 32] - 127)``. ``kv`` [N, D] float8_e4m3fn, ``scale``
+    [N, D // 32] uint8 exponents, ``idx`` [T, S] int32 in [-1, N). A plain 3-tuple
     ``(kv, scale, idx)`` is the same thing; a bf16 pool is the 2-tuple ``(kv, idx)``."""
     kv: jax.Array
     scale: jax.Array
     idx: jax.Array
 
 
+def ue8m0(scale):
+    """Power-of-two fp32 scales -> their UE8M0 exponent bytes (``2**(e - 127)``)."""
+    bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
+    return ((bits >> 23) & 0xFF).astype(jnp.uint8)
+
+
+def ue8m0_scale(e):
+    """UE8M0 exponent bytes -> fp32 ``2**(e - 127)``, built from the exponent bits (exact)."""
+    return lax.bitcast_convert_type(e.astype(jnp.int32) * (1 << 23), jnp.float32)
+
+
 def dequantize_fp8(kv, scale):
-    """``kv[..., c] * scale[..., c // 32]`` in fp32 (exact: e4m3 times a power of two)."""
+    """``kv[..., c] * 2**(scale[..., c // 32] - 127)`` in fp32 (exact: e4m3 times a power of two)."""
     *lead, d = kv.shape
-    return (kv.astype(jnp.float32).reshape(*lead, d // 32, 32) * scale[..., None]).reshape(*lead, d)
+    s = ue8m0_scale(scale)
+    return (kv.astype(jnp.float32).reshape(*lead, d // 32, 32) * s[..., None]).reshape(*lead, d)
+
+
+def _fp8_region_rows(dh: int) -> int:
+    """Row pitch (in fp8 rows of ``dh + FP8_PAD`` bytes) between the fp8 regions of a slot's
+    two halves: each region must start and end inside its own bf16 half-tile (``BLOCK_KV * dh``
+    bf16), for both slots, so that dequantising one half in place leaves the others intact."""
+    pitch, half_tile = dh + FP8_PAD, BLOCK_KV * dh * 2
+    rows = -(-half_tile // pitch)
+    assert all(k * rows * pitch + BLOCK_KV * pitch <= (k + 1) * half_tile for k in range(2 * SLOTS)), dh
+    return rows
 
 
 def _split_pool(pool):
@@ -214,45 +228,110 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-STAGES = ("row_copies", "relayout", "exchange", "mma")
+def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
+    """Mosaic GPU (per-thread) code for the producer warpgroup: copy one chunk's ``BLOCK_KV``
+    gathered rows into a K/V slot in 16-byte ``cp.async`` pieces and commit them as one group.
+
+    Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
+    (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
+    slot's fp8 view [2, region_rows, D/2 + FP8_PAD]). Thread ``i`` of the warpgroup copies
+    piece ``i % pieces`` of rows ``i // pieces + k * rows_per_pass``, so its piece's place in
+    the tile is fixed and only the row changes from pass to pass.
+    """
+    dh = d // 2
+    row_bytes = d if fp8 else 2 * d
+    pieces = row_bytes // COPY                    # per row
+    rows_per_pass = WARPGROUP // pieces
+    half_pieces = pieces // 2                     # per compute warpgroup's half of D
+    pitch8 = dh + FP8_PAD
+    n_scales = d // 32                            # UE8M0 bytes per row: 4, 8 or 16
+
+    def gather(ctx, kv, ids, dst, *scale):
+        del ctx
+        i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+        c = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
+        tid = mgpu_utils.thread_idx()
+        if isinstance(tid.type, ir.IndexType) or str(tid.type) == "index":
+            tid = arith.index_cast(i32, tid)
+        lane = arith.remui(tid, c(WARPGROUP))
+        global_ptr = lambda ref: llvm.addrspacecast(  # noqa: E731
+            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+        kv_ptr, dst_ptr = global_ptr(kv), mgpu_utils.memref_ptr(dst)
+
+        def row_id(j):   # the chunk's j-th row id (-1, masked, reads row 0) as an i64
+            rid = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
+            return arith.extui(i64, arith.maxsi(rid, c(0)))
+
+        def copy(dst_off, src_ptr, src_off, size):
+            nvvm.cp_async_shared_global(
+                mgpu_utils.getelementptr(dst_ptr, [dst_off], i8),
+                mgpu_utils.getelementptr(src_ptr, [src_off], i8), size,
+                nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
+
+        piece, first = arith.remui(lane, c(pieces)), arith.divui(lane, c(pieces))
+        half, p = arith.divui(piece, c(half_pieces)), arith.remui(piece, c(half_pieces))
+        src_col = arith.extui(i64, arith.muli(piece, c(COPY)))
+        for k in range(BLOCK_KV // rows_per_pass):
+            j = arith.addi(first, c(k * rows_per_pass))
+            src_off = arith.addi(arith.muli(row_id(j), c(row_bytes, i64)), src_col)
+            if fp8:   # row j of the half's row-major region
+                off = arith.muli(arith.addi(arith.muli(half, c(region_rows)), j), c(pitch8))
+                off = arith.addi(off, arith.muli(p, c(COPY)))
+            else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: piece ^ (row % 8)
+                tile = arith.addi(arith.muli(arith.divui(j, c(8)), c(dh // 64)), arith.divui(p, c(8)))
+                r8 = arith.remui(j, c(8))
+                off = arith.addi(arith.muli(half, c(BLOCK_KV * dh * 2)), arith.muli(tile, c(1024)))
+                off = arith.addi(off, arith.muli(r8, c(128)))
+                off = arith.addi(off, arith.muli(arith.xori(arith.remui(p, c(8)), r8), c(COPY)))
+            copy(off, kv_ptr, src_off, COPY)
+        if fp8:   # the row's scale bytes into each half's padding: one copy per (row, half)
+            j, half = arith.divui(lane, c(2)), arith.remui(lane, c(2))
+            off = arith.addi(arith.muli(arith.addi(arith.muli(half, c(region_rows)), j), c(pitch8)), c(dh))
+            copy(off, global_ptr(scale[0]), arith.muli(row_id(j), c(n_scales, i64)), n_scales)
+        nvvm.cp_async_commit_group()
+
+    return gather
+
+
+def _cp_async_wait(ctx):
+    """This thread's cp.async copies have landed."""
+    del ctx
+    nvvm.cp_async_wait_group(0)
+
+
+STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
-               gather_warps: int = 4, skip_stages=()):
+               skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
-    ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_scale, idx)``, e.g.
-    ``sparse_mqa(q, [Fp8Pool(*fp8_block32_parts(window_kv), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+    ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)``, e.g.
+    ``sparse_mqa(q, [Fp8Pool(kv8, ue8m0(s), window_idx), (comp_kv, comp_idx)], sink, scale)``.
 
     ``splits`` > 1 divides each query's key chunks over that many CTAs (flash-decoding, for
     batches too small to fill the GPU); each writes its normalised partial output and its
     softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
     GPU's SM count (1 when interpreted).
 
-    ``gather_warps`` (1, 2 or 4): how many warps of the producer warpgroup issue the row copies.
-
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
-    result wrong: the per-row KV copies (the staging barrier is still completed), the re-layout
-    into tiles, the exchange of partial logits, or both MMAs.
+    result wrong: the row copies (the slot is still handed over), the in-place fp8
+    dequantisation, the exchange of partial logits, or both MMAs.
     """
     skip = frozenset(skip_stages)
     if not skip <= set(STAGES):
         raise ValueError(f"skip_stages must be a subset of {STAGES}, got {sorted(skip)}")
-    if gather_warps not in (1, 2, 4):
-        raise ValueError(f"gather_warps must be 1, 2 or 4, got {gather_warps}")
     t_len, n_heads, d = q.shape
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
-    n_groups = d // 32                            # fp8 scale groups per row
     for kv, kv_scale, idx in pools:
         want = jnp.bfloat16 if kv_scale is None else jnp.float8_e4m3fn
         if kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
             raise ValueError(f"pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape}")
-        if kv_scale is not None and (kv_scale.shape != (kv.shape[0], n_groups) or kv_scale.dtype != jnp.float32):
-            raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want float32 {(kv.shape[0], n_groups)}")
-        if kv_scale is not None and SCALE_LINE % n_groups:
-            raise ValueError(f"fp8 pools need D in (128, 256, 512), got {d}")
+        if kv_scale is not None and (kv_scale.shape != (kv.shape[0], d // 32) or kv_scale.dtype != jnp.uint8):
+            raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want uint8 UE8M0 "
+                             f"{(kv.shape[0], d // 32)} (see ue8m0)")
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     if splits is None:
         n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
@@ -264,26 +343,20 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
     is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
-    rows_per_line = SCALE_LINE // n_groups        # rows whose scales share one 128-byte line
-    # View each fp8 pool's scales as 128-byte lines [N / rows_per_line, 32] (free unless N is
-    # not a multiple of rows_per_line: then one pad copy of the scales).
-    lined = []
-    for kv, kv_scale, idx in pools:
-        if kv_scale is not None:
-            pad = -kv_scale.shape[0] % rows_per_line
-            if pad:
-                kv_scale = jnp.pad(kv_scale, ((0, pad), (0, 0)), constant_values=1.0)
-            kv_scale = kv_scale.reshape(-1, SCALE_LINE)
-        lined.append((kv, kv_scale, idx))
-    pools = lined
-    any_bf16, any_fp8 = not all(is_fp8), any(is_fp8)
+    any_fp8 = any(is_fp8)
     dh = d // 2                                   # D columns per compute warpgroup
+    region_rows = _fp8_region_rows(dh)
     qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     # Register layouts: TILE is the wgmma accumulator layout, ROW a per-head vector (one value
     # per accumulator row), COL a per-key vector. The 0.10 interpreter has no layout_cast.
     TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     cast = (lambda x, layout: x) if interpreting else plgpu.layout_cast
+    gather_bf16 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))(
+        _cp_async_gather(fp8=False, d=d, region_rows=region_rows))
+    gather_fp8 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
+        _cp_async_gather(fp8=True, d=d, region_rows=region_rows))
+    copies_landed = plgpu.inline_mgpu()(_cp_async_wait)
 
     # Each pool's refs: (kv, idx) or (kv, scale, idx).
     ref_counts = [3 if f else 2 for f in is_fp8]
@@ -312,31 +385,15 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 else:
                     pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
 
-        def scoped(q_smem, stages, kt, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, full8_bar=None):
+        def scoped(q_smem, slots, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, land_bar=None):
             wg = lax.axis_index("wg")
-            stage, stage8, scales = stages
-            ids_slot = lambda g: small.at[pl.ds(g % 2 * BLOCK_KV, BLOCK_KV)]  # noqa: E731
+            kt, v8, s8 = slots      # bf16 K/V tiles; the fp8 view of the same bytes and its bytes as uint8
+            ids_slot = lambda g: small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]  # noqa: E731
+            sink_at = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)
 
             def sync():  # both compute warpgroups meet here
                 plgpu.barrier_arrive(sync_bar)
                 plgpu.barrier_wait(sync_bar)
-
-            def gather_rows(copy_row):
-                """``copy_row(j)`` for the 64 rows of a chunk. Compiled, each of the producer's
-                ``gather_warps`` warps issues its share: one issuing thread spends ~100 cycles a
-                row (id load, barrier arrivals, copy), which bounded the whole kernel."""
-                if interpreting or gather_warps == 1:   # no warp-level code in the 0.10 interpreter
-                    pl.loop(0, BLOCK_KV)(copy_row)
-                    return
-                per_warp = BLOCK_KV // gather_warps
-
-                @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-                def _per_warp():
-                    w = lax.axis_index("warp")
-
-                    @pl.when(w < gather_warps)
-                    def _mine():
-                        pl.loop(0, per_warp)(lambda i: copy_row(w * per_warp + i))
 
             @pl.when(wg == 2)
             def _producer():
@@ -344,19 +401,52 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 for w in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(w * dh, dh)], q_smem.at[w], q_bar)
                 # The sink (as int32 bits) shares the small index buffer: every allocation is
-                # rounded up to 1 KB, and we have no KB to spare.
-                plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[pl.ds(2 * BLOCK_KV, HEADS)], q_bar)
+                # rounded up to 1 KB.
+                plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[sink_at], q_bar)
 
                 def fetch_ids(p, c, g):
-                    """Row ids of chunk ``c`` of pool ``p`` (global chunk ``g``) into slot g % 2."""
+                    """Row ids of chunk ``c`` of pool ``p`` (global chunk ``g``) into their slot."""
                     plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
-                                            ids_slot(g), ids_bar.at[g % 2])
+                                            ids_slot(g), ids_bar.at[g % ID_SLOTS])
+
+                def land(g):
+                    """Chunk ``g``'s copies have landed: hand its slot to the compute warpgroups."""
+                    if not interpreting:
+                        copies_landed()
+                        plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
+                    plgpu.barrier_arrive(full_bar.at[g % SLOTS])
+
+                def gather(kv_ref, scale_ref, ids_ref, slot):
+                    if not interpreting:
+                        if scale_ref is None:
+                            gather_bf16(kv_ref, ids_ref, kt.at[slot])
+                        else:
+                            gather_fp8(kv_ref, ids_ref, v8.at[slot], scale_ref)
+                        return
+                    # The interpreter runs no inline Mosaic GPU code: one copy per row and half,
+                    # then (fp8) one per row and half for the scale bytes, waiting after each round.
+                    if scale_ref is None:
+                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
+                                   lambda j, w: kt.at[slot, w, pl.ds(j, 1)])]
+                    else:
+                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
+                                   lambda j, w: v8.at[slot, w, pl.ds(j, 1), pl.ds(0, dh)]),
+                                  (lambda row, w: scale_ref.at[pl.ds(row, 1)],
+                                   lambda j, w: s8.at[slot, w, pl.ds(j, 1), pl.ds(dh, d // 32)])]
+                    for src, dst in rounds:
+                        @pl.loop(0, BLOCK_KV)
+                        def _row(j, src=src, dst=dst):
+                            row = jnp.maximum(ids_ref[j], 0)
+                            for w in range(2):
+                                plgpu.copy_gmem_to_smem(src(row, w), dst(j, w), land_bar)
+                        plgpu.barrier_wait(land_bar)
 
                 @for_my_split
                 def _produce(s, lo, hi, local):
                     live = [p for p, (a, b) in enumerate(local) if b > a]
-                    if live:   # the first chunk's ids
-                        fetch_ids(live[0], local[live[0]][0], lo)
+                    if not live:
+                        return
+                    fetch_ids(live[0], local[live[0]][0], lo)   # the first chunk's ids
                     for p in live:
                         kv_ref, scale_ref, _ = pool_refs[p]
                         end = local[p][1]
@@ -366,80 +456,51 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         @pl.loop(*local[p])
                         def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
                             g = chunk0[p] + c
-                            # The single staging buffer is free once both compute WGs have read
-                            # the previous chunk into registers.
-                            pl.when(g > lo)(lambda: plgpu.barrier_wait(free_bar))
-                            # Row ids come through shared memory (a scalar load from global memory per
-                            # row would put a DRAM round trip between consecutive row copies), one
-                            # chunk ahead: the other slot's ids were read before that release.
-                            plgpu.barrier_wait(ids_bar.at[g % 2])
+                            pl.when(g > lo)(lambda: land(g - 1))
+                            # the slot's previous chunk (g - 2) is released after both PVs
+                            pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
+                            plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
+                            # the next chunk's id slot last served chunk g - 2: released too
                             pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
                             if nxt is not None:
                                 pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
-                            ids_ref = ids_slot(g)
-
-                            if "row_copies" in skip:   # stage-removal timing: complete the barrier bare
-                                for _ in range(2 * BLOCK_KV if scale_ref is not None else BLOCK_KV):
-                                    plgpu.barrier_arrive(full_bar if scale_ref is None else full8_bar)
-                                return
-
-                            @gather_rows
-                            def _row(j):
-                                row = jnp.maximum(ids_ref[j], 0)
-                                if scale_ref is None:
-                                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage.at[pl.ds(j, 1), pl.ds(0, d)], full_bar,
-                                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                                else:   # fp8: the row's D bytes and its D/32 scales, two arrivals per row
-                                    # (lax.div: `//` lowers through sign(), which warp-level code lacks)
-                                    plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, 1)], stage8.at[pl.ds(j, 1), pl.ds(0, d)], full8_bar,
-                                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                                    plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(lax.div(row, rows_per_line), 1)],
-                                                            scales.at[pl.ds(j, 1), pl.ds(0, SCALE_LINE)],
-                                                            full8_bar, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                    if live:  # observe the last release too (the interpreter checks every phase is seen)
-                        plgpu.barrier_wait(free_bar)
+                            if "row_copies" not in skip:
+                                gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
+                    land(hi - 1)
+                    # observe the last releases (the interpreter checks that every phase is seen)
+                    for g in range(max(lo, hi - SLOTS), hi):
+                        plgpu.barrier_wait(free_bar.at[g % SLOTS])
 
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(232, action="increase")
                 cols = pl.ds(wg * dh, dh)
-                my_kt, my_xch, other_xch = kt.at[wg], xch.at[wg], xch.at[1 - wg]
                 plgpu.barrier_wait(q_bar)
-                sink_bits = cast(small[pl.ds(2 * BLOCK_KV, HEADS)], ROW)
+                sink_bits = cast(small[sink_at], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
 
-                def relayout_bf16():
-                    for k in range(dh // 64):
-                        piece = cast(stage[:, pl.ds(wg * dh + k * 64, 64)], TILE)
-                        my_kt[:, pl.ds(k * 64, 64)] = piece
+                def dequantize(slot):
+                    """This warpgroup's fp8 half of the chunk -> bf16 tiles over the same bytes."""
+                    vals, scale_bytes, tile = v8.at[slot, wg], s8.at[slot, wg], kt.at[slot, wg]
+                    n_groups = dh // 32
 
-                def relayout_fp8(ids_ref):
-                    # Dequantise on the way: e4m3 -> f16 -> f32 (exact), times the row's scale
-                    # for the column's 32-group (a power of two: exact), -> bf16 (exact).
-                    upper = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE) >= 32
-                    # which part of its staged scale line is each row's (masked rows: row 0's)
-                    part = jnp.maximum(cast(ids_ref[...], ROW), 0) % rows_per_line
-
-                    def column(c):   # a strided column of the staged scale lines, one value per row
+                    def group_scales(gi):   # scale of group gi of this half, one per row (ROW layout)
+                        col = dh + wg * n_groups + gi
                         if interpreting:
-                            return scales[:, c]
-                        # not "optimized": Mosaic GPU cannot prove a stride-36 read bank-conflict free
-                        return plgpu.load(scales, (slice(None), c), layout=ROW, optimized=False)
+                            e = scale_bytes[pl.ds(0, BLOCK_KV), col]
+                        else:   # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
+                            e = plgpu.load(scale_bytes, (pl.ds(0, BLOCK_KV), col), layout=ROW, optimized=False)
+                        return ue8m0_scale(e)
 
-                    def row_scales(g):   # scale group g of every staged row, [64] per row
-                        out = column(g)
-                        for r in range(1, rows_per_line):
-                            out = jnp.where(part == r, column(r * n_groups + g), out)
-                        return out
-
-                    for k in range(dh // 64):
-                        col0 = wg * dh + k * 64
-                        g0 = wg * (dh // 32) + 2 * k
-                        piece = cast(stage8[:, pl.ds(col0, 64)], TILE).astype(jnp.float32)
-                        s_lo, s_hi = row_scales(g0), row_scales(g0 + 1)
-                        sc = jnp.where(upper, lax.broadcast_in_dim(s_hi, piece.shape, [0]),
-                                       lax.broadcast_in_dim(s_lo, piece.shape, [0]))
-                        my_kt[:, pl.ds(k * 64, 64)] = (piece * sc).astype(jnp.bfloat16)
+                    pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
+                    scales = [group_scales(gi) for gi in range(n_groups)]
+                    plgpu.commit_smem()   # all four warps have read the fp8 bytes before any is overwritten
+                    upper = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE) >= 32
+                    for k, piece in enumerate(pieces):
+                        lo_s, hi_s = (lax.broadcast_in_dim(s, piece.shape, [0]) for s in scales[2 * k:2 * k + 2])
+                        tile[:, pl.ds(k * 64, 64)] = (piece.astype(jnp.float32) * jnp.where(upper, hi_s, lo_s)
+                                                      ).astype(jnp.bfloat16)
+                    plgpu.commit_smem()
 
                 @for_my_split
                 def _consume(s, lo, hi, local):
@@ -456,19 +517,13 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         def chunk(c, carry, fp8=fp8, g0=g0):
                             acc, m, l = carry
                             g = g0 + c
-                            plgpu.barrier_wait(ids_bar.at[g % 2])
-                            plgpu.barrier_wait(full8_bar if fp8 else full_bar)
-                            ids_ref = ids_slot(g)
-                            ids = cast(ids_ref[...], COL)
-                            # Re-lay this warpgroup's half of the staged rows into swizzled tiles.
-                            # With auto barriers off, this is what keeps a warp from re-laying
-                            # into my_kt while another still waits on the previous chunk's PV.
-                            plgpu.commit_smem()
-                            if "relayout" not in skip:
-                                relayout_fp8(ids_ref) if fp8 else relayout_bf16()
-                            plgpu.barrier_arrive(free_bar)
-                            plgpu.commit_smem()
-
+                            slot = g % SLOTS
+                            plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
+                            plgpu.barrier_wait(full_bar.at[slot])
+                            ids = cast(ids_slot(g)[...], COL)
+                            if fp8 and "dequant" not in skip:
+                                dequantize(slot)
+                            my_kt = kt.at[slot, wg]
                             if "mma" in skip:
                                 s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                             else:
@@ -477,9 +532,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 s = s_part * qk_scale
                             else:
                                 sync()                      # the other WG has read my previous partial
-                                my_xch[...] = s_part
+                                xch[wg] = s_part
                                 sync()                      # both partials are written
-                                s = (s_part + cast(other_xch[...], TILE)) * qk_scale
+                                s = (s_part + cast(xch[1 - wg], TILE)) * qk_scale
                             valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
                             s = jnp.where(valid, s, -jnp.inf)
                             m_new = jnp.maximum(m, s.max(axis=1))
@@ -487,9 +542,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                             l = l * alpha + prob.sum(axis=1)
                             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
                             if "mma" not in skip:
                                 acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
+                            plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
                             return acc, m_new, l
 
                         carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
@@ -504,7 +559,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                     else:
                         plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
 
-                        @pl.when(wg == 0)   # m and l (the same in both warpgroups) into the spent id slots
+                        @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
                         def _stats():
                             small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
                             small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
@@ -512,38 +567,35 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
                     plgpu.wait_smem_to_gmem(0)
 
-        # Staging: bf16 rows for bf16 pools; fp8 rows + their scales for fp8 pools. With both
-        # kinds of pool the two layouts share the same bytes (a chunk is only ever read through
-        # the view it was written through, and the staging release orders the chunks).
-        stage_bf16 = plgpu.SMEM((BLOCK_KV, d + STAGE_PAD), jnp.bfloat16)
-        stage_fp8 = (plgpu.SMEM((BLOCK_KV, d + STAGE_PAD_FP8), jnp.float8_e4m3fn),
-                     plgpu.SMEM((BLOCK_KV, SCALE_LINE + SCALE_PAD), jnp.float32))
+        # K/V slots: bf16 tiles, and for fp8 pools the fp8 view of the same bytes (plus the same
+        # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
+        # shared-memory limit): there the views are separate buffers, which only drops the aliasing.
+        tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled)
+        fp8_view = lambda dtype: plgpu.SMEM((SLOTS, 2, region_rows, dh + FP8_PAD), dtype)  # noqa: E731
         if not any_fp8:
-            stages, unpack = stage_bf16, lambda s: (s, None, None)
-        elif not any_bf16:
-            stages, unpack = stage_fp8, lambda s: (None, *s)
-        elif interpreting:   # no RefUnion in the 0.10 interpreter (nor any shared-memory limit)
-            stages, unpack = (stage_bf16, stage_fp8), lambda s: (s[0], *s[1])
+            slots, unpack = tiles, lambda s: (s, None, None)
+        elif interpreting:
+            slots, unpack = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
         else:
-            stages, unpack = plgpu.RefUnion(stage_bf16, stage_fp8), lambda s: (s[0], *s[1])
+            slots, unpack = plgpu.RefUnion(tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
 
-        def scoped_unpacked(q_smem, stages_ref, *rest):
-            return scoped(q_smem, unpack(stages_ref), *rest)
+        def scoped_unpacked(q_smem, slots_ref, *rest):
+            return scoped(q_smem, unpack(slots_ref), *rest)
 
         pl.run_scoped(
             scoped_unpacked,
             plgpu.SMEM((2, HEADS, dh), jnp.bfloat16, transforms=tiled),       # q, then out, per WG
-            stages,                                                           # staging rows
-            plgpu.SMEM((2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled),    # K=V tiles per WG
+            slots,                                                            # K/V slots
             plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-            plgpu.SMEM((2 * BLOCK_KV + HEADS,), jnp.int32),                   # 2 chunks' ids, sink bits
+            plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
-            plgpu.Barrier(num_barriers=2),                                    # a chunk's ids landed
-            plgpu.Barrier(num_arrivals=BLOCK_KV),                             # staging full (bf16)
-            plgpu.Barrier(num_arrivals=2),                                    # staging free
+            plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
+            plgpu.Barrier(num_barriers=SLOTS),                                # a slot is full
+            plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
-            *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if any_fp8 else []),  # staging full (fp8)
+            # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
+            *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
             collective_axes="wg",
         )
 
@@ -562,9 +614,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         thread_name="wg",
         # reduction_scratch_bytes=0: the only reductions are along the WGMMA row (warp
         # shuffles), and the 2 KB default would push us over the shared memory limit.
-        # unsafe_no_auto_barriers: Pallas would put a warpgroup barrier before every async copy
-        # (64 a chunk in the producer) and around every shared-memory store; the kernel orders
-        # its own accesses (mbarriers, commit_smem).
+        # unsafe_no_auto_barriers: Pallas would put a warpgroup barrier around every
+        # shared-memory store; the kernel orders its own accesses (mbarriers, commit_smem).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                              unsafe_no_auto_barriers=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
