@@ -22,11 +22,14 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   Hopper sparse kernel gathers the same way). Consecutive threads take consecutive pieces of
   a row, so global reads coalesce and the swizzle spreads the shared writes over all banks.
 * Two K/V slots. While the compute warpgroups work on chunk g in one slot, chunk g+1's rows
-  land in the other. The producer, per chunk: waits for its own copies of the previous chunk
-  (``cp.async.wait_group``), fences them for the tensor cores and arrives on that slot's
-  "full" barrier; waits for the slot it is about to fill to be released (the compute
-  warpgroups arrive on its "free" barrier after their P @ V); then issues the chunk's
-  copies. Row ids come through shared memory (a scalar global load per row would serialise
+  land in the other. The producer, per chunk: waits for the slot it is about to fill to be
+  released (the compute warpgroups arrive on its "free" barrier after their P @ V), issues
+  the chunk's copies, then waits for its own copies of the previous chunk (``cp.async``
+  groups: all but the newest), fences them for the tensor cores and arrives on that slot's
+  "full" barrier. So two chunks are in flight while the producer waits, and a compute
+  warpgroup waits at most one chunk's issue time (each thread's row, source address and
+  place in the tile are computed once per chunk; its 32 copies are constant offsets from
+  them). Row ids come through shared memory (a scalar global load per row would serialise
   DRAM round trips), fetched by TMA one chunk ahead into three slots: a slot is refilled
   only after both compute warpgroups have released the chunk that read it.
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
@@ -234,14 +237,15 @@ def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
 
     Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
     (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
-    slot's fp8 view [2, region_rows, D/2 + FP8_PAD]). Thread ``i`` of the warpgroup copies
-    piece ``i % pieces`` of rows ``i // pieces + k * rows_per_pass``, so its piece's place in
-    the tile is fixed and only the row changes from pass to pass.
+    slot's fp8 view [2, region_rows, D/2 + FP8_PAD]). Threads ``2j`` and ``2j + 1`` copy row
+    ``j``, alternating pieces, so a pair reads whole 32-byte sectors and a thread's row, its
+    source address and its place in the tile are computed once: each piece is then a constant
+    offset from them (the swizzle's XOR takes one of four per-thread bases).
     """
+    assert 2 * BLOCK_KV == WARPGROUP
     dh = d // 2
     row_bytes = d if fp8 else 2 * d
     pieces = row_bytes // COPY                    # per row
-    rows_per_pass = WARPGROUP // pieces
     half_pieces = pieces // 2                     # per compute warpgroup's half of D
     pitch8 = dh + FP8_PAD
     n_scales = d // 32                            # UE8M0 bytes per row: 4, 8 or 16
@@ -250,53 +254,53 @@ def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
         del ctx
         i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
         c = lambda v, t=i32: arith.constant(t, v)  # noqa: E731
+        add, mul = arith.addi, arith.muli
         tid = mgpu_utils.thread_idx()
         if isinstance(tid.type, ir.IndexType) or str(tid.type) == "index":
             tid = arith.index_cast(i32, tid)
         lane = arith.remui(tid, c(WARPGROUP))
+        j, sub = arith.divui(lane, c(2)), arith.remui(lane, c(2))
+        rid = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
+        rid = arith.extui(i64, arith.maxsi(rid, c(0)))       # -1 (masked) reads row 0
         global_ptr = lambda ref: llvm.addrspacecast(  # noqa: E731
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-        kv_ptr, dst_ptr = global_ptr(kv), mgpu_utils.memref_ptr(dst)
+        gep = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
+        src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
+        dst_ptr = mgpu_utils.memref_ptr(dst)
 
-        def row_id(j):   # the chunk's j-th row id (-1, masked, reads row 0) as an i64
-            rid = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
-            return arith.extui(i64, arith.maxsi(rid, c(0)))
-
-        def copy(dst_off, src_ptr, src_off, size):
+        def copy(dst, src, size=COPY):
             nvvm.cp_async_shared_global(
-                mgpu_utils.getelementptr(dst_ptr, [dst_off], i8),
-                mgpu_utils.getelementptr(src_ptr, [src_off], i8), size,
-                nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
+                dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
-        piece, first = arith.remui(lane, c(pieces)), arith.divui(lane, c(pieces))
-        half, p = arith.divui(piece, c(half_pieces)), arith.remui(piece, c(half_pieces))
-        src_col = arith.extui(i64, arith.muli(piece, c(COPY)))
-        for k in range(BLOCK_KV // rows_per_pass):
-            j = arith.addi(first, c(k * rows_per_pass))
-            src_off = arith.addi(arith.muli(row_id(j), c(row_bytes, i64)), src_col)
-            if fp8:   # row j of the half's row-major region
-                off = arith.muli(arith.addi(arith.muli(half, c(region_rows)), j), c(pitch8))
-                off = arith.addi(off, arith.muli(p, c(COPY)))
-            else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: piece ^ (row % 8)
-                tile = arith.addi(arith.muli(arith.divui(j, c(8)), c(dh // 64)), arith.divui(p, c(8)))
-                r8 = arith.remui(j, c(8))
-                off = arith.addi(arith.muli(half, c(BLOCK_KV * dh * 2)), arith.muli(tile, c(1024)))
-                off = arith.addi(off, arith.muli(r8, c(128)))
-                off = arith.addi(off, arith.muli(arith.xori(arith.remui(p, c(8)), r8), c(COPY)))
-            copy(off, kv_ptr, src_off, COPY)
-        if fp8:   # the row's scale bytes into each half's padding: one copy per (row, half)
-            j, half = arith.divui(lane, c(2)), arith.remui(lane, c(2))
-            off = arith.addi(arith.muli(arith.addi(arith.muli(half, c(region_rows)), j), c(pitch8)), c(dh))
-            copy(off, global_ptr(scale[0]), arith.muli(row_id(j), c(n_scales, i64)), n_scales)
+        if fp8:   # row j of each half's row-major region
+            rows = [gep(dst_ptr, mul(add(c(h * region_rows), j), c(pitch8))) for h in range(2)]
+            for i in range(pieces // 2):
+                h, q = divmod(2 * i, half_pieces)
+                copy(gep(rows[h], add(mul(sub, c(COPY)), c(q * COPY))), gep(src_row, c(2 * i * COPY, i64)))
+            # the row's scale bytes into the padding of half `sub`
+            scales_dst = gep(dst_ptr, add(mul(add(mul(sub, c(region_rows)), j), c(pitch8)), c(dh)))
+            copy(scales_dst, gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
+        else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: 16B piece ^ (row % 8)
+            r8 = arith.remui(j, c(8))
+            row_base = add(mul(arith.divui(j, c(8)), c(dh // 64 * 1024)), mul(r8, c(128)))
+            x = arith.xori(sub, r8)
+            # piece 2i + sub has (2i % 8) | sub = (2i % 8) ^ sub in the swizzled position
+            bases = [gep(dst_ptr, add(row_base, mul(arith.xori(x, c(2 * k)), c(COPY)))) for k in range(4)]
+            for i in range(pieces // 2):
+                h, q = divmod(2 * i, half_pieces)
+                static = h * BLOCK_KV * dh * 2 + q // 8 * 1024
+                copy(gep(bases[i % 4], c(static)), gep(src_row, c(2 * i * COPY, i64)))
         nvvm.cp_async_commit_group()
 
     return gather
 
 
-def _cp_async_wait(ctx):
-    """This thread's cp.async copies have landed."""
-    del ctx
-    nvvm.cp_async_wait_group(0)
+def _cp_async_wait(pending: int):
+    """Mosaic GPU code: all but this thread's ``pending`` newest cp.async groups have landed."""
+    def wait(ctx):
+        del ctx
+        nvvm.cp_async_wait_group(pending)
+    return wait
 
 
 STAGES = ("row_copies", "dequant", "exchange", "mma")
@@ -356,7 +360,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         _cp_async_gather(fp8=False, d=d, region_rows=region_rows))
     gather_fp8 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
         _cp_async_gather(fp8=True, d=d, region_rows=region_rows))
-    copies_landed = plgpu.inline_mgpu()(_cp_async_wait)
+    # wait for all but the newest group / for all of them
+    older_copies_landed, copies_landed = (plgpu.inline_mgpu()(_cp_async_wait(n)) for n in (1, 0))
 
     # Each pool's refs: (kv, idx) or (kv, scale, idx).
     ref_counts = [3 if f else 2 for f in is_fp8]
@@ -409,10 +414,11 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                     plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
                                             ids_slot(g), ids_bar.at[g % ID_SLOTS])
 
-                def land(g):
-                    """Chunk ``g``'s copies have landed: hand its slot to the compute warpgroups."""
+                def land(g, newest):
+                    """Chunk ``g``'s copies have landed (``newest``: no later chunk was issued
+                    since): hand its slot to the compute warpgroups."""
                     if not interpreting:
-                        copies_landed()
+                        (copies_landed if newest else older_copies_landed)()
                         plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
                     plgpu.barrier_arrive(full_bar.at[g % SLOTS])
 
@@ -456,7 +462,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         @pl.loop(*local[p])
                         def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
                             g = chunk0[p] + c
-                            pl.when(g > lo)(lambda: land(g - 1))
                             # the slot's previous chunk (g - 2) is released after both PVs
                             pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
                             plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
@@ -466,7 +471,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
                             if "row_copies" not in skip:
                                 gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
-                    land(hi - 1)
+                            # two chunks in flight: chunk g's copies go out before g - 1 is handed over
+                            pl.when(g > lo)(lambda: land(g - 1, newest=False))
+                    land(hi - 1, newest=True)
                     # observe the last releases (the interpreter checks that every phase is seen)
                     for g in range(max(lo, hi - SLOTS), hi):
                         plgpu.barrier_wait(free_bar.at[g % SLOTS])
