@@ -140,14 +140,28 @@ def dequantize_fp8(kv, scale):
     return (kv.astype(jnp.float32).reshape(*lead, d // 32, 32) * s[..., None]).reshape(*lead, d)
 
 
-def _fp8_region_rows(dh: int) -> int:
-    """Row pitch (in fp8 rows of ``dh + FP8_PAD`` bytes) between the fp8 regions of a slot's
-    two halves: each region must start and end inside its own bf16 half-tile (``BLOCK_KV * dh``
-    bf16), for both slots, so that dequantising one half in place leaves the others intact."""
-    pitch, half_tile = dh + FP8_PAD, BLOCK_KV * dh * 2
-    rows = -(-half_tile // pitch)
-    assert all(k * rows * pitch + BLOCK_KV * pitch <= (k + 1) * half_tile for k in range(2 * SLOTS)), dh
-    return rows
+class Fp8View(NamedTuple):
+    """Where the fp8 rows of a K/V slot live: a row-major view [rows, pitch] of the slots'
+    bytes in which region (slot, half) starts at row ``slot * slot_rows + half * half_rows``.
+    Each region starts and ends inside its own bf16 half-tile (``BLOCK_KV * dh`` bf16), so
+    dequantising one half in place leaves every other region intact, and the view is no
+    larger than the bf16 tiles."""
+    pitch: int
+    half_rows: int
+    slot_rows: int
+    rows: int
+
+    @classmethod
+    def for_half_width(cls, dh: int) -> "Fp8View":
+        pitch, half_tile = dh + FP8_PAD, BLOCK_KV * dh * 2
+        view = cls(pitch, -(-half_tile // pitch), -(-2 * half_tile // pitch), 2 * SLOTS * half_tile // pitch)
+        for s in range(SLOTS):
+            for h in range(2):
+                start = s * view.slot_rows + h * view.half_rows
+                k = 2 * s + h
+                assert k * half_tile <= start * pitch and (start + BLOCK_KV) * pitch <= (k + 1) * half_tile, dh
+                assert start + BLOCK_KV <= view.rows, dh
+        return view
 
 
 def _split_pool(pool):
@@ -231,13 +245,13 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
+def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
     """Mosaic GPU (per-thread) code for the producer warpgroup: copy one chunk's ``BLOCK_KV``
     gathered rows into a K/V slot in 16-byte ``cp.async`` pieces and commit them as one group.
 
     Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
     (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
-    slot's fp8 view [2, region_rows, D/2 + FP8_PAD]). Threads ``2j`` and ``2j + 1`` copy row
+    slot's rows of the fp8 view, [half_rows + 64, D/2 + FP8_PAD]). Threads ``2j`` and ``2j + 1`` copy row
     ``j``, alternating pieces, so a pair reads whole 32-byte sectors and a thread's row, its
     source address and its place in the tile are computed once: each piece is then a constant
     offset from them (the swizzle's XOR takes one of four per-thread bases).
@@ -273,12 +287,12 @@ def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
                 dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
         if fp8:   # row j of each half's row-major region
-            rows = [gep(dst_ptr, mul(add(c(h * region_rows), j), c(pitch8))) for h in range(2)]
+            rows = [gep(dst_ptr, mul(add(c(h * half_rows), j), c(pitch8))) for h in range(2)]
             for i in range(pieces // 2):
                 h, q = divmod(2 * i, half_pieces)
                 copy(gep(rows[h], add(mul(sub, c(COPY)), c(q * COPY))), gep(src_row, c(2 * i * COPY, i64)))
             # the row's scale bytes into the padding of half `sub`
-            scales_dst = gep(dst_ptr, add(mul(add(mul(sub, c(region_rows)), j), c(pitch8)), c(dh)))
+            scales_dst = gep(dst_ptr, add(mul(add(mul(sub, c(half_rows)), j), c(pitch8)), c(dh)))
             copy(scales_dst, gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
         else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: 16B piece ^ (row % 8)
             r8 = arith.remui(j, c(8))
@@ -290,16 +304,45 @@ def _cp_async_gather(*, fp8: bool, d: int, region_rows: int):
                 h, q = divmod(2 * i, half_pieces)
                 static = h * BLOCK_KV * dh * 2 + q // 8 * 1024
                 copy(gep(bases[i % 4], c(static)), gep(src_row, c(2 * i * COPY, i64)))
-        nvvm.cp_async_commit_group()
 
     return gather
 
 
-def _cp_async_wait(pending: int):
-    """Mosaic GPU code: all but this thread's ``pending`` newest cp.async groups have landed."""
-    def wait(ctx):
+# Each slot's "full" barrier is a plain mbarrier that the producer's 128 threads arrive on
+# through cp.async.mbarrier.arrive.noinc: a thread's arrival happens when its copies have
+# landed, so the producer never waits for its own copies and the compute warpgroups start
+# on a chunk the moment its last row is in. (Pallas barriers cannot be handed to inline
+# Mosaic GPU code, hence these few lines of PTX.)
+def _ptx(asm, *args):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), list(args), asm, ",".join("r" * len(args)), has_side_effects=True)
+
+
+def _init_full_barriers(ctx, bars):
+    """All threads: thread 0 initialises the slots' barriers for 128 arrivals; then a CTA sync."""
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    tid = mgpu_utils.thread_idx()
+    if isinstance(tid.type, ir.IndexType) or str(tid.type) == "index":
+        tid = arith.index_cast(i32, tid)
+    base = mgpu_utils.memref_ptr(bars)
+    for k in range(SLOTS):
+        ptr = mgpu_utils.getelementptr(base, [8 * k], ir.IntegerType.get_signless(8))
+        _ptx(f"{{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP}; }}", ptr, tid)
+    _ptx("fence.mbarrier_init.release.cluster;")
+    _ptx("bar.sync 0;")
+
+
+def _arrive_on_landing(ctx, bar):
+    """This thread arrives on ``bar`` once all its cp.async copies so far have landed."""
+    del ctx
+    _ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", mgpu_utils.memref_ptr(bar))
+
+
+def _wait_parity(parity: int):
+    def wait(ctx, bar):
         del ctx
-        nvvm.cp_async_wait_group(pending)
+        _ptx("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], "
+             f"{parity}; @done bra DONE; bra WAIT; DONE: }}", mgpu_utils.memref_ptr(bar))
     return wait
 
 
@@ -349,7 +392,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
     any_fp8 = any(is_fp8)
     dh = d // 2                                   # D columns per compute warpgroup
-    region_rows = _fp8_region_rows(dh)
+    view = Fp8View.for_half_width(dh)
     qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     # Register layouts: TILE is the wgmma accumulator layout, ROW a per-head vector (one value
@@ -357,11 +400,12 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     cast = (lambda x, layout: x) if interpreting else plgpu.layout_cast
     gather_bf16 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))(
-        _cp_async_gather(fp8=False, d=d, region_rows=region_rows))
+        _cp_async_gather(fp8=False, d=d))
     gather_fp8 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
-        _cp_async_gather(fp8=True, d=d, region_rows=region_rows))
-    # wait for all but the newest group / for all of them
-    older_copies_landed, copies_landed = (plgpu.inline_mgpu()(_cp_async_wait(n)) for n in (1, 0))
+        _cp_async_gather(fp8=True, d=d, half_rows=view.half_rows))
+    init_full_barriers = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_full_barriers)
+    arrive_on_landing = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_arrive_on_landing)
+    wait_parity = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_parity(k)) for k in (0, 1)]
 
     # Each pool's refs: (kv, idx) or (kv, scale, idx).
     ref_counts = [3 if f else 2 for f in is_fp8]
@@ -390,8 +434,14 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 else:
                     pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
 
-        def scoped(q_smem, slots, xch, small, q_bar, ids_bar, full_bar, free_bar, sync_bar, land_bar=None):
+        def scoped(q_smem, slots, xch, small, full, q_bar, ids_bar, free_bar, sync_bar, land_bar=None):
+            """``full``: the slots' "full" barriers, plain mbarriers in an int32 buffer (compiled)
+            or Pallas barriers (interpreted: no inline code)."""
             wg = lax.axis_index("wg")
+            if not interpreting:
+                init_full_barriers(full)
+            full_at = lambda slot: full.at[pl.ds(2 * slot, 2)]  # noqa: E731  (8 bytes each)
+            fp8_row = lambda slot, half: slot * view.slot_rows + half * view.half_rows  # noqa: E731
             kt, v8, s8 = slots      # bf16 K/V tiles; the fp8 view of the same bytes and its bytes as uint8
             ids_slot = lambda g: small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]  # noqa: E731
             sink_at = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)
@@ -414,20 +464,20 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                     plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
                                             ids_slot(g), ids_bar.at[g % ID_SLOTS])
 
-                def land(g, newest):
-                    """Chunk ``g``'s copies have landed (``newest``: no later chunk was issued
-                    since): hand its slot to the compute warpgroups."""
-                    if not interpreting:
-                        (copies_landed if newest else older_copies_landed)()
-                        plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
-                    plgpu.barrier_arrive(full_bar.at[g % SLOTS])
+                def hand_over(g):
+                    """Chunk ``g``'s copies are out: its slot is full when they have landed."""
+                    if interpreting:   # (the copies were waited for)
+                        plgpu.barrier_arrive(full.at[g % SLOTS])
+                    else:
+                        arrive_on_landing(full_at(g % SLOTS))
 
                 def gather(kv_ref, scale_ref, ids_ref, slot):
                     if not interpreting:
                         if scale_ref is None:
                             gather_bf16(kv_ref, ids_ref, kt.at[slot])
                         else:
-                            gather_fp8(kv_ref, ids_ref, v8.at[slot], scale_ref)
+                            rows = pl.ds(fp8_row(slot, 0), view.half_rows + BLOCK_KV)
+                            gather_fp8(kv_ref, ids_ref, v8.at[rows], scale_ref)
                         return
                     # The interpreter runs no inline Mosaic GPU code: one copy per row and half,
                     # then (fp8) one per row and half for the scale bytes, waiting after each round.
@@ -436,9 +486,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                    lambda j, w: kt.at[slot, w, pl.ds(j, 1)])]
                     else:
                         rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
-                                   lambda j, w: v8.at[slot, w, pl.ds(j, 1), pl.ds(0, dh)]),
+                                   lambda j, w: v8.at[pl.ds(fp8_row(slot, w) + j, 1), pl.ds(0, dh)]),
                                   (lambda row, w: scale_ref.at[pl.ds(row, 1)],
-                                   lambda j, w: s8.at[slot, w, pl.ds(j, 1), pl.ds(dh, d // 32)])]
+                                   lambda j, w: s8.at[pl.ds(fp8_row(slot, w) + j, 1), pl.ds(dh, d // 32)])]
                     for src, dst in rounds:
                         @pl.loop(0, BLOCK_KV)
                         def _row(j, src=src, dst=dst):
@@ -471,9 +521,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
                             if "row_copies" not in skip:
                                 gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
-                            # two chunks in flight: chunk g's copies go out before g - 1 is handed over
-                            pl.when(g > lo)(lambda: land(g - 1, newest=False))
-                    land(hi - 1, newest=True)
+                            hand_over(g)
                     # observe the last releases (the interpreter checks that every phase is seen)
                     for g in range(max(lo, hi - SLOTS), hi):
                         plgpu.barrier_wait(free_bar.at[g % SLOTS])
@@ -486,9 +534,20 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 sink_bits = cast(small[sink_at], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
 
+                def wait_full(g, lo):
+                    """Chunk ``g`` (of a split starting at ``lo``) has landed in its slot."""
+                    if interpreting:
+                        plgpu.barrier_wait(full.at[g % SLOTS])
+                        return
+                    # the slot's barrier completes once per chunk in it: phase (g - lo) // SLOTS
+                    for parity in (0, 1):
+                        pl.when(lax.div(g - lo, SLOTS) % 2 == parity)(lambda: wait_parity[parity](full_at(g % SLOTS)))
+                    plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
+
                 def dequantize(slot):
                     """This warpgroup's fp8 half of the chunk -> bf16 tiles over the same bytes."""
-                    vals, scale_bytes, tile = v8.at[slot, wg], s8.at[slot, wg], kt.at[slot, wg]
+                    rows = pl.ds(fp8_row(slot, wg), BLOCK_KV)
+                    vals, scale_bytes, tile = v8.at[rows], s8.at[rows], kt.at[slot, wg]
                     n_groups = dh // 32
 
                     def group_scales(gi):   # scale of group gi of this half, one per row (ROW layout)
@@ -526,7 +585,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             g = g0 + c
                             slot = g % SLOTS
                             plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                            plgpu.barrier_wait(full_bar.at[slot])
+                            wait_full(g, lo)
                             ids = cast(ids_slot(g)[...], COL)
                             if fp8 and "dequant" not in skip:
                                 dequantize(slot)
@@ -578,7 +637,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
         # shared-memory limit): there the views are separate buffers, which only drops the aliasing.
         tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled)
-        fp8_view = lambda dtype: plgpu.SMEM((SLOTS, 2, region_rows, dh + FP8_PAD), dtype)  # noqa: E731
+        fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
         if not any_fp8:
             slots, unpack = tiles, lambda s: (s, None, None)
         elif interpreting:
@@ -596,9 +655,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
+            # a slot is full: mbarriers for cp.async arrivals (8 bytes each), or interpreted Pallas ones
+            plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS,), jnp.int32),
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
             plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
-            plgpu.Barrier(num_barriers=SLOTS),                                # a slot is full
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
             # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
