@@ -22,16 +22,17 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   Hopper sparse kernel gathers the same way). Consecutive threads take consecutive pieces of
   a row, so global reads coalesce and the swizzle spreads the shared writes over all banks.
 * Two K/V slots. While the compute warpgroups work on chunk g in one slot, chunk g+1's rows
-  land in the other. The producer, per chunk: waits for the slot it is about to fill to be
-  released (the compute warpgroups arrive on its "free" barrier after their P @ V), issues
-  the chunk's copies, then waits for its own copies of the previous chunk (``cp.async``
-  groups: all but the newest), fences them for the tensor cores and arrives on that slot's
-  "full" barrier. So two chunks are in flight while the producer waits, and a compute
-  warpgroup waits at most one chunk's issue time (each thread's row, source address and
-  place in the tile are computed once per chunk; its 32 copies are constant offsets from
-  them). Row ids come through shared memory (a scalar global load per row would serialise
-  DRAM round trips), fetched by TMA one chunk ahead into three slots: a slot is refilled
-  only after both compute warpgroups have released the chunk that read it.
+  land in the other. The producer, per chunk: waits for the slot to be released (the
+  compute warpgroups arrive on its "free" barrier after their P @ V), issues the chunk's
+  copies, and has each of its threads arrive on the slot's "full" mbarrier through
+  ``cp.async.mbarrier.arrive.noinc``, an arrival that happens when that thread's copies
+  have landed: the producer never waits for its own copies, and the compute warpgroups
+  start on a chunk as soon as its last row is in (they fence it for the tensor cores).
+  Each thread's row, source address and place in the tile are computed once per chunk;
+  its 32 copies are constant offsets from them. Row ids come through shared memory (a
+  scalar global load per row would serialise DRAM round trips), fetched by TMA one chunk
+  ahead into three slots: a slot is refilled only after both compute warpgroups have
+  released the chunk that read it.
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
   the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
   Q, of K = V and of the output (each K/V slot holds the two halves as separate tiles).
@@ -61,13 +62,22 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
 
 Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
 reused for its output tile) + K/V 2 slots x 2 halves x 32 KB + logit exchange 2 x 16 KB
-(swizzled) + 1 KB for three chunks' row ids and the sink = 225 KB. The fp8 view of a slot
-is a ``plgpu.RefUnion`` member over the same bytes: region (slot, half) holds 64 rows of
-D/2 + 16 bytes (17 KB) at a pitch of ``_fp8_region_rows`` rows, chosen so that every region
-starts and ends inside its own bf16 half-tile; so a warpgroup's in-place dequantisation
-never touches the other warpgroup's bytes (the union adds 576 bytes: 226 KB). Registers per
-compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8 dequant the
-acc + 64 for the fp8 half + 16 scales.
+(swizzled) + 1 KB for three chunks' row ids and the sink + 1 KB for the two "full"
+mbarriers = 226 KB. The fp8 view of the slots is a ``plgpu.RefUnion`` member over the same
+bytes (``Fp8View``: rows of D/2 + 16 bytes, each (slot, half) region of 64 rows inside its
+own bf16 half-tile, so a warpgroup's in-place dequantisation never touches another region).
+Registers per compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8
+dequant the acc + 64 for the fp8 half + 16 scales.
+
+Where the time goes (H200, stage removal, bench/RESULTS.md): the row copies, the MMAs and
+the logit exchange add up almost exactly, i.e. they barely overlap. Per 64-key chunk the
+MMAs read 192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 MACs per
+byte, which is what the tensor cores consume at the 128 B/clock shared-memory rate), the
+exchange moves 64 KB and the copies write 64 KB, so shared-memory bandwidth, not the tensor
+cores, bounds a chunk; and both compute warpgroups run QK^T, softmax and P @ V in lockstep,
+so the tensor cores idle during the softmax. The next step is FlashMLA's split: one
+warpgroup computes a chunk's full-D QK^T and softmax while the other runs the previous
+chunk's, sharing P (8 KB) instead of fp32 partial logits.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
