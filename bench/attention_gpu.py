@@ -177,8 +177,6 @@ def run(args):
         chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
         chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(splits=k)) for k in args.splits
                   if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
-        if args.q_in_registers:
-            chosen.append(("pallas_bf16[q_in_registers]", "pallas_fp8[q_in_registers]", *kernels(q_in_registers=True)))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -304,7 +302,6 @@ if __name__ == "__main__":
     p.add_argument("--plot", action="store_true", help="only plot an existing $OUT/attention_gpu.json")
     p.add_argument("--cases", help="comma-separated subset, e.g. decode-32,prefill-16384")
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
-    p.add_argument("--q-in-registers", action="store_true", help="also time the kernels with q_in_registers=True")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
     a = p.parse_args()

@@ -360,7 +360,7 @@ STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
-               skip_stages=(), q_in_registers: bool = False):
+               skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)``, e.g.
@@ -370,10 +370,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     batches too small to fill the GPU); each writes its normalised partial output and its
     softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
     GPU's SM count (1 when interpreted).
-
-    ``q_in_registers``: QK^T takes this warpgroup's half of q from registers (64 per thread)
-    instead of shared memory, halving QK^T's shared-memory reads (an experiment: it competes
-    with the accumulator for registers).
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
@@ -547,7 +543,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 plgpu.barrier_wait(q_bar)
                 sink_bits = cast(small[sink_at], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
-                q_operand = cast(q_smem[wg], TILE) if q_in_registers else q_smem.at[wg]
 
                 def wait_full(g, lo):
                     """Chunk ``g`` (of a split starting at ``lo``) has landed in its slot."""
@@ -608,7 +603,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             if "mma" in skip:
                                 s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                             else:
-                                s_part = _mma(None, q_operand, my_kt, transpose_b=True, interpreting=interpreting)
+                                s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
                             if "exchange" in skip:
                                 s = s_part * qk_scale
                             else:

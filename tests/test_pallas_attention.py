@@ -98,12 +98,6 @@ def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits)
     assert np.abs(out).max() > 0.1                          # and the other rows are not trivial
 
 
-def test_q_in_registers_matches_reference(gpu_interpret):
-    q, pools, sink, _ = _case(2, 64, 128, [(120, 64, "fp8"), (90, 64)])
-    out = sparse_mqa(q, pools, sink, 0.1, q_in_registers=True)
-    assert _rel_err(out, sparse_mqa_reference(q, pools, sink, 0.1)) < 1e-2
-
-
 def test_model_attention_dispatches_to_the_kernel(monkeypatch):
     """``mega.attention`` (q RoPE, kernel, inverse RoPE) through the interpreted kernel equals
     its reference path on the same bf16 inputs with a real rotation."""
