@@ -34,25 +34,19 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   ahead into three slots: a slot is refilled only after both compute warpgroups have
   released the chunk that read it.
 * The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
-  the two compute warpgroups split D for P @ V: warpgroup w owns columns
-  ``[w*D/2, (w+1)*D/2)`` of K = V and of the output (each K/V slot holds the two halves as
-  separate tiles). QK^T and the softmax they split by chunk, as FlashMLA does: warpgroup w
-  computes the full-D logits (both q halves against both key halves) and the online-softmax
-  step of chunks lo + w, lo + w + 2, ..., and publishes P (bf16, 8 KB, in two slots) with
-  the step's rescale factor, new running max and row sums; the other warpgroup rescales its
-  accumulator by them and runs P @ V from the published P. A chunk's softmax needs the
-  running max after the previous chunk, which the other warpgroup published, so each
-  warpgroup issues its QK^T first and only then takes the other's previous chunk (its P @ V)
-  and the max: one warpgroup's QK^T runs on the tensor cores while the other's softmax runs
-  on the CUDA cores. Both warpgroups apply the same published values in the same order, so
-  their running sums are bitwise equal.
+  the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
+  Q, of K = V and of the output (each K/V slot holds the two halves as separate tiles).
+  QK^T then yields only a partial logit tile per warpgroup (contraction over its half of D);
+  the two halves are exchanged through 2 x 16 KB of shared memory and summed (fp32 addition
+  commutes, so both warpgroups get bitwise the same logits, hence the same softmax). Each
+  warpgroup then runs P @ V on its own D half: no redundant MMA work.
 * FP8 pools (MODEL_SPEC §3.5: e4m3 values, one power-of-two scale per 32 channels stored as
   its UE8M0 exponent byte; V4.1 keeps its window KV so): the producer copies each row's D
-  fp8 bytes, split in halves, into a row-major fp8 view of the slot whose (slot, half)
-  region lies inside that half's bf16 tile (rows padded to D/2 + 16 bytes, which keeps the
+  fp8 bytes, split in halves, into a row-major fp8 view of the slot that lies inside the
+  half-tile of the warpgroup that owns them (rows padded to D/2 + 16 bytes, which keeps the
   WGMMA-layout reads conflict free), and the row's D/32 scale bytes into that padding.
-  Before its QK^T the chunk's owner dequantises it in place, one half at a time: it loads the
-  half's fp8 values and scale bytes into registers, syncs its four warps, converts
+  Before its QK^T each compute warpgroup dequantises its half in place: it loads the fp8
+  values and its scale bytes into registers, syncs its four warps, converts
   (e4m3 -> f32, times 2^(e - 127), -> bf16: exact, since e4m3 times a power of two fits
   bf16) and stores the bf16 tile over the same bytes. From there on the chunk is a bf16
   chunk, so an fp8 pool gives the same result as the bf16 pool of its dequantised values.
@@ -66,22 +60,24 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
   they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
 
-Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (the two halves,
-each reused for a warpgroup's output tile once every QK^T is done) + K/V 2 slots x 2 halves x
-32 KB + published P 2 x 8 KB + 2 KB for the published softmax steps + 1 KB for three chunks'
-row ids and the sink + 1 KB for the two "full" mbarriers = 212 KB. The fp8 view of the slots
-is a ``plgpu.RefUnion`` member over the same bytes (``Fp8View``). Registers per compute
-thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8 dequant the acc + 64
-for the fp8 half + 16 scales.
+Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
+reused for its output tile) + K/V 2 slots x 2 halves x 32 KB + logit exchange 2 x 16 KB
+(swizzled) + 1 KB for three chunks' row ids and the sink + 1 KB for the two "full"
+mbarriers = 226 KB. The fp8 view of the slots is a ``plgpu.RefUnion`` member over the same
+bytes (``Fp8View``: rows of D/2 + 16 bytes, each (slot, half) region of 64 rows inside its
+own bf16 half-tile, so a warpgroup's in-place dequantisation never touches another region).
+Registers per compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8
+dequant the acc + 64 for the fp8 half + 16 scales.
 
-Where the time goes (H200, stage removal, bench/RESULTS.md). With both compute warpgroups
-running QK^T over their D halves, a fp32 logit exchange and the softmax in lockstep (v2),
-the row copies, the MMAs and the exchange added up almost exactly: they shared the
-shared-memory bandwidth (per 64-key chunk the MMAs read 192 KB, QK^T at N=64 reading both
-operands from shared memory, 16 MACs per byte, which is all the 128 B/clock the tensor
-cores' rate needs; the exchange moved 64 KB and the copies 64 KB), and the tensor cores
-idled during the softmax. The split above drops the exchange (16 KB of P instead) and
-overlaps one warpgroup's softmax with the other's QK^T.
+Where the time goes (H200, stage removal, bench/RESULTS.md): the row copies, the MMAs and
+the logit exchange add up almost exactly, i.e. they barely overlap. Per 64-key chunk the
+MMAs read 192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 MACs per
+byte, which is what the tensor cores consume at the 128 B/clock shared-memory rate), the
+exchange moves 64 KB and the copies write 64 KB, so shared-memory bandwidth, not the tensor
+cores, bounds a chunk; and both compute warpgroups run QK^T, softmax and P @ V in lockstep,
+so the tensor cores idle during the softmax. The next step is FlashMLA's split: one
+warpgroup computes a chunk's full-D QK^T and softmax while the other runs the previous
+chunk's, sharing P (8 KB) instead of fp32 partial logits.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
@@ -377,7 +373,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
-    dequantisation, or the MMAs.
+    dequantisation, the exchange of partial logits, or both MMAs.
     """
     skip = frozenset(skip_stages)
     if not skip <= set(STAGES):
@@ -595,35 +591,23 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                     its own chunks (lo + w, lo + w + 2, ...), P @ V of every chunk on its D half."""
                     cols = pl.ds(w * dh, dh)
 
-                    def take_published(g):
-                        """The other warpgroup's softmax step for its chunk ``g``: (alpha, m, row sums)."""
+                    def others_chunk(g, carry):
+                        """P @ V of the other warpgroup's chunk ``g`` with its published P."""
+                        acc, _, l = carry
                         slot = g % SLOTS
                         plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])   # (keeps this barrier's phases in step)
                         plgpu.barrier_wait(pub_bar.at[slot])
                         plgpu.commit_smem()   # fence: the tensor cores read the slot and P
-                        return tuple(cast(stats[slot, i], ROW) for i in range(3))
-
-                    def others_pv(g, acc, l, step):
-                        """P @ V of the other warpgroup's chunk ``g`` with its published P and step."""
-                        alpha, _, rowsum = step
-                        slot = g % SLOTS
+                        alpha, m_g, rowsum = (cast(stats[slot, i], ROW) for i in range(3))
                         acc, l = rescale(acc, l, alpha, rowsum)
                         acc = pv(acc, p_smem.at[slot], slot, w)
                         plgpu.barrier_arrive(pcons_bar.at[slot])
                         plgpu.barrier_arrive(free_bar.at[slot])
-                        return acc, l
-
-                    def others_chunk(g, carry):
-                        """The other warpgroup's chunk ``g`` on its own (the split's last)."""
-                        acc, _, l = carry
-                        step = take_published(g)
-                        acc, l = others_pv(g, acc, l, step)
-                        return acc, step[1], l
+                        return acc, m_g, l
 
                     def own_chunk(g, carry, after_others):
-                        """QK^T, softmax and P @ V of my chunk ``g``. The softmax needs the running max
-                        after the other warpgroup's chunk g - 1: its published step is taken after
-                        my QK^T, and its P @ V runs after my softmax is published."""
+                        """QK^T, softmax and P @ V of my chunk ``g``; before its softmax, the P @ V of
+                        the other warpgroup's chunk g - 1 (whose running max it needs)."""
                         slot = g % SLOTS
                         plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
                         wait_full(g, lo)
@@ -638,10 +622,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         else:   # full D: both halves of q against both halves of the keys
                             s = _mma(None, q_smem.at[0], kt.at[slot, 0], transpose_b=True, interpreting=interpreting)
                             s = _mma(s, q_smem.at[1], kt.at[slot, 1], transpose_b=True, interpreting=interpreting)
-                        acc, m, l = carry
                         if after_others:
-                            step = take_published(g - 1)
-                            m = step[1]
+                            carry = others_chunk(g - 1, carry)
+                        acc, m, l = carry
                         s = jnp.where(lax.broadcast_in_dim(ids >= 0, s.shape, [1]), s * qk_scale, -jnp.inf)
                         m_new = jnp.maximum(m, s.max(axis=1))
                         alpha = jnp.exp2(m - m_new)
@@ -656,8 +639,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             stats[slot, i] = v
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(pub_bar.at[slot])
-                        if after_others:
-                            acc, l = others_pv(g - 1, acc, l, step)
                         acc, l = rescale(acc, l, alpha, rowsum)
                         acc = pv(acc, p, slot, w)
                         plgpu.barrier_arrive(free_bar.at[slot])
