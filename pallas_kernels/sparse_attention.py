@@ -356,7 +356,7 @@ def _wait_parity(parity: int):
     return wait
 
 
-STAGES = ("row_copies", "dequant", "mma")
+STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
@@ -444,8 +444,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 else:
                     pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
 
-        def scoped(q_smem, slots, p_smem, stats, small, full, q_bar, ids_bar, free_bar, pub_bar, pcons_bar,
-                   land_bar=None):
+        def scoped(q_smem, slots, xch, small, full, q_bar, ids_bar, free_bar, sync_bar, land_bar=None):
             """``full``: the slots' "full" barriers, plain mbarriers in an int32 buffer (compiled)
             or Pallas barriers (interpreted: no inline code)."""
             wg = lax.axis_index("wg")
@@ -456,6 +455,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             kt, v8, s8 = slots      # bf16 K/V tiles; the fp8 view of the same bytes and its bytes as uint8
             ids_slot = lambda g: small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]  # noqa: E731
             sink_at = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)
+
+            def sync():  # both compute warpgroups meet here
+                plgpu.barrier_arrive(sync_bar)
+                plgpu.barrier_wait(sync_bar)
 
             @pl.when(wg == 2)
             def _producer():
@@ -536,6 +539,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(232, action="increase")
+                cols = pl.ds(wg * dh, dh)
                 plgpu.barrier_wait(q_bar)
                 sink_bits = cast(small[sink_at], ROW)
                 sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
@@ -550,14 +554,14 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         pl.when(lax.div(g - lo, SLOTS) % 2 == parity)(lambda: wait_parity[parity](full_at(g % SLOTS)))
                     plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
 
-                def dequantize(slot, half):
-                    """One half of an fp8 chunk -> bf16 tiles over the same bytes."""
-                    rows = pl.ds(fp8_row(slot, half), BLOCK_KV)
-                    vals, scale_bytes, tile = v8.at[rows], s8.at[rows], kt.at[slot, half]
+                def dequantize(slot):
+                    """This warpgroup's fp8 half of the chunk -> bf16 tiles over the same bytes."""
+                    rows = pl.ds(fp8_row(slot, wg), BLOCK_KV)
+                    vals, scale_bytes, tile = v8.at[rows], s8.at[rows], kt.at[slot, wg]
                     n_groups = dh // 32
 
                     def group_scales(gi):   # scale of group gi of this half, one per row (ROW layout)
-                        col = dh + half * n_groups + gi
+                        col = dh + wg * n_groups + gi
                         if interpreting:
                             e = scale_bytes[pl.ds(0, BLOCK_KV), col]
                         else:   # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
@@ -574,76 +578,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                                       ).astype(jnp.bfloat16)
                     plgpu.commit_smem()
 
-                def fp8_chunk(g):   # is global chunk g in an fp8 pool? (traced)
-                    ranges = [(c0, c0 + nc) for c0, nc, f in zip(chunk0, n_chunks, is_fp8) if f]
-                    return functools.reduce(jnp.logical_or, [(g >= a) & (g < b) for a, b in ranges])
-
-                def rescale(acc, l, alpha, rowsum):
-                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), l * alpha + rowsum
-
-                def pv(acc, p, slot, w):
-                    if "mma" in skip:
-                        return acc
-                    return _mma(acc, p, kt.at[slot, w], transpose_b=False, interpreting=interpreting)
-
-                def consume_as(w, s, lo, hi):
-                    """Warpgroup ``w``'s part of split ``s`` (chunks [lo, hi)): QK^T and softmax of
-                    its own chunks (lo + w, lo + w + 2, ...), P @ V of every chunk on its D half."""
-                    cols = pl.ds(w * dh, dh)
-
-                    def others_chunk(g, carry):
-                        """P @ V of the other warpgroup's chunk ``g`` with its published P."""
-                        acc, _, l = carry
-                        slot = g % SLOTS
-                        plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])   # (keeps this barrier's phases in step)
-                        plgpu.barrier_wait(pub_bar.at[slot])
-                        plgpu.commit_smem()   # fence: the tensor cores read the slot and P
-                        alpha, m_g, rowsum = (cast(stats[slot, i], ROW) for i in range(3))
-                        acc, l = rescale(acc, l, alpha, rowsum)
-                        acc = pv(acc, p_smem.at[slot], slot, w)
-                        plgpu.barrier_arrive(pcons_bar.at[slot])
-                        plgpu.barrier_arrive(free_bar.at[slot])
-                        return acc, m_g, l
-
-                    def own_chunk(g, carry, after_others):
-                        """QK^T, softmax and P @ V of my chunk ``g``; before its softmax, the P @ V of
-                        the other warpgroup's chunk g - 1 (whose running max it needs)."""
-                        slot = g % SLOTS
-                        plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                        wait_full(g, lo)
-                        if any_fp8 and "dequant" not in skip:
-                            @pl.when(fp8_chunk(g))
-                            def _():
-                                for half in range(2):
-                                    dequantize(slot, half)
-                        ids = cast(ids_slot(g)[...], COL)
-                        if "mma" in skip:
-                            s = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
-                        else:   # full D: both halves of q against both halves of the keys
-                            s = _mma(None, q_smem.at[0], kt.at[slot, 0], transpose_b=True, interpreting=interpreting)
-                            s = _mma(s, q_smem.at[1], kt.at[slot, 1], transpose_b=True, interpreting=interpreting)
-                        if after_others:
-                            carry = others_chunk(g - 1, carry)
-                        acc, m, l = carry
-                        s = jnp.where(lax.broadcast_in_dim(ids >= 0, s.shape, [1]), s * qk_scale, -jnp.inf)
-                        m_new = jnp.maximum(m, s.max(axis=1))
-                        alpha = jnp.exp2(m - m_new)
-                        prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                        rowsum = prob.sum(axis=1)
-                        p = prob.astype(jnp.bfloat16)
-                        # publish P and the softmax step for the other warpgroup; its P slot was
-                        # last used by my chunk g - 2, which the other warpgroup has consumed
-                        pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(pcons_bar.at[slot]))
-                        p_smem[slot] = p
-                        for i, v in enumerate((alpha, m_new, rowsum)):
-                            stats[slot, i] = v
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(pub_bar.at[slot])
-                        acc, l = rescale(acc, l, alpha, rowsum)
-                        acc = pv(acc, p, slot, w)
-                        plgpu.barrier_arrive(free_bar.at[slot])
-                        return acc, m_new, l
-
+                @for_my_split
+                def _consume(s, lo, hi, local):
                     # Split 0 starts from the sink; the others from an empty softmax, with a finite
                     # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
                     carry = (
@@ -651,40 +587,61 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
                         cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
                     )
-                    mine = list(range(lo + w, hi, 2))
-                    first = 0
-                    if w == 0 and mine:   # chunk lo: nothing before it
-                        carry, first = own_chunk(lo, carry, after_others=False), 1
-                    if first < len(mine):
-                        carry = lax.fori_loop(first, len(mine),
-                                              lambda j, c: own_chunk(lo + w + 2 * j, c, after_others=True), carry)
-                    if (hi - 1 - lo) % 2 != w:   # the last chunk is the other warpgroup's
-                        carry = others_chunk(hi - 1, carry)
-                    if mine:   # observe the consumption of my last P (the interpreter checks every phase is seen)
-                        plgpu.barrier_wait(pcons_bar.at[mine[-1] % SLOTS])
+                    # the producer walks the same pools and chunks in the same order
+                    for (c_lo, c_hi), fp8, g0 in zip(local, is_fp8, chunk0):
+
+                        def chunk(c, carry, fp8=fp8, g0=g0):
+                            acc, m, l = carry
+                            g = g0 + c
+                            slot = g % SLOTS
+                            plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
+                            wait_full(g, lo)
+                            ids = cast(ids_slot(g)[...], COL)
+                            if fp8 and "dequant" not in skip:
+                                dequantize(slot)
+                            my_kt = kt.at[slot, wg]
+                            if "mma" in skip:
+                                s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
+                            else:
+                                s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
+                            if "exchange" in skip:
+                                s = s_part * qk_scale
+                            else:
+                                sync()                      # the other WG has read my previous partial
+                                xch[wg] = s_part
+                                sync()                      # both partials are written
+                                s = (s_part + cast(xch[1 - wg], TILE)) * qk_scale
+                            valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
+                            s = jnp.where(valid, s, -jnp.inf)
+                            m_new = jnp.maximum(m, s.max(axis=1))
+                            alpha = jnp.exp2(m - m_new)
+                            prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                            l = l * alpha + prob.sum(axis=1)
+                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            if "mma" not in skip:
+                                acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
+                            plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
+                            return acc, m_new, l
+
+                        carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
                     acc, m, l = carry
-                    # Every QK^T of both warpgroups is done (each published its chunks before the
-                    # other consumed them): my half of q_smem takes the output tile.
+                    # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
                     # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
                     out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-                    q_smem[w] = out.astype(jnp.bfloat16)
+                    q_smem[wg] = out.astype(jnp.bfloat16)
                     plgpu.commit_smem()
                     if splits == 1:
-                        plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[t, heads, cols])
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
                     else:
-                        plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[s, t, heads, cols])
-                        if w == 0:   # m and l (the same in both warpgroups) into spent id slots
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
+
+                        @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
+                        def _stats():
                             small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
                             small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
                     plgpu.wait_smem_to_gmem(0)
-
-                @for_my_split
-                def _consume(s, lo, hi, local):
-                    del local
-                    for w in range(2):
-                        pl.when(wg == w)(functools.partial(consume_as, w, s, lo, hi))
 
         # K/V slots: bf16 tiles, and for fp8 pools the fp8 view of the same bytes (plus the same
         # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
@@ -705,16 +662,15 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             scoped_unpacked,
             plgpu.SMEM((2, HEADS, dh), jnp.bfloat16, transforms=tiled),       # q, then out, per WG
             slots,                                                            # K/V slots
-            plgpu.SMEM((SLOTS, HEADS, BLOCK_KV), jnp.bfloat16, transforms=tiled),  # published P
-            plgpu.SMEM((SLOTS, 3, HEADS), jnp.float32),                       # and alpha, m, row sums
+            plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
             # a slot is full: mbarriers for cp.async arrivals (8 bytes each), or interpreted Pallas ones
             plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS,), jnp.int32),
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
             plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
-            plgpu.Barrier(num_barriers=SLOTS),                                # P published
-            plgpu.Barrier(num_barriers=SLOTS),                                # P consumed
+            plgpu.Barrier(num_arrivals=2),                                    # WG exchange
             # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
             *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
             collective_axes="wg",
