@@ -75,9 +75,11 @@ MMAs read 192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 
 byte, which is what the tensor cores consume at the 128 B/clock shared-memory rate), the
 exchange moves 64 KB and the copies write 64 KB, so shared-memory bandwidth, not the tensor
 cores, bounds a chunk; and both compute warpgroups run QK^T, softmax and P @ V in lockstep,
-so the tensor cores idle during the softmax. The next step is FlashMLA's split: one
-warpgroup computes a chunk's full-D QK^T and softmax while the other runs the previous
-chunk's, sharing P (8 KB) instead of fp32 partial logits.
+so the tensor cores idle during the softmax. FlashMLA's split (each warpgroup computes the
+full-D QK^T and softmax of every other chunk and publishes P, 8 KB, instead of exchanging
+fp32 partial logits) was tried and measured 1.3x slower (bench/RESULTS.md): the softmax steps
+then form one chain that alternates between the warpgroups through shared memory and
+barriers, and that chain, not the tensor cores, set the pace.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
