@@ -259,7 +259,8 @@ def _interpret_params(interpret):
 
 def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
     """Mosaic GPU (per-thread) code for the producer warpgroup: copy one chunk's ``BLOCK_KV``
-    gathered rows into a K/V slot in 16-byte ``cp.async`` pieces and commit them as one group.
+    gathered rows into a K/V slot in 16-byte ``cp.async`` pieces (the thread's noinc arrival
+    that follows tracks them all).
 
     Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
     (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
@@ -386,8 +387,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     pools = _pad_pools(pools, BLOCK_KV)
     for kv, kv_scale, idx in pools:
         want = jnp.bfloat16 if kv_scale is None else jnp.float8_e4m3fn
-        if kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
-            raise ValueError(f"pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape}")
+        if kv.shape[0] < 1 or kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
+            raise ValueError(f"pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape} "
+                             "(or the pool is empty: masked slots read its row 0)")
         if kv_scale is not None and (kv_scale.shape != (kv.shape[0], d // 32) or kv_scale.dtype != jnp.uint8):
             raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want uint8 UE8M0 "
                              f"{(kv.shape[0], d // 32)} (see ue8m0)")
@@ -534,7 +536,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             if "row_copies" not in skip:
                                 gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
                             hand_over(g)
-                    # observe the last releases (the interpreter checks that every phase is seen)
+                    # Observe the last releases: the interpreter checks that every phase is seen, and
+                    # compiled, this keeps the producer alive until its last copies have landed.
                     for g in range(max(lo, hi - SLOTS), hi):
                         plgpu.barrier_wait(free_bar.at[g % SLOTS])
 
@@ -636,6 +639,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
                     else:
                         plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
+
+                        if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
+                            sync()
 
                         @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
                         def _stats():

@@ -160,6 +160,9 @@ def test_rejects_unsupported_shapes():
     with pytest.raises(ValueError):
         sparse_mqa(q, [(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))],
                    jnp.zeros((48,), jnp.float32), 1.0)
+    with pytest.raises(ValueError, match="empty"):   # no row 0 for the masked slots to read
+        sparse_mqa(jnp.zeros((2, 64, 128), jnp.bfloat16), [(jnp.zeros((0, 128), jnp.bfloat16),
+                   jnp.full((2, 8), -1, jnp.int32))], jnp.zeros((64,), jnp.float32), 1.0)
 
 
 @pytest.mark.parametrize("kw,what", [({"splits": 0}, "splits"),
