@@ -2,8 +2,9 @@
 
 Signature (one per ragged batch of query tokens)::
 
-    attention(q [T, H, D], cos, sin [T, r/2], window_kv [Nw, D], window_idx [T, W],
-              comp_kv [Nc, D] | None, comp_idx [T, K] | None, sink [H], scale) -> [T, H, D]
+    attention(q [T, H, D], cos, sin [T, r/2], window_kv [Nw, D] | (e4m3 [Nw, D], ue8m0 [Nw, D/32]),
+              window_idx [T, W], comp_kv [Nc, D] | None, comp_idx [T, K] | None, sink [H], scale)
+      -> [T, H, D]
 
 Each query reads its sliding window and its top-k compressed entries through row
 indices into two pools (``-1`` marks an empty slot), so the same signature serves ragged
@@ -15,7 +16,8 @@ only enlarges the softmax denominator, so fully masked rows stay finite.
 On GPU (``mega.backend``) the middle of the op, gather + sink softmax + weighted sum, is
 the Pallas kernel ``pallas_kernels.sparse_attention.sparse_mqa`` (bf16 activations, heads a
 multiple of 64, head_dim a multiple of 128 up to 512, as V4.1's 64 x 512); elsewhere, and for
-other shapes and dtypes, its pure-jnp reference.
+other shapes and dtypes, its pure-jnp reference. The window pool may come in its stored FP8
+form (values and UE8M0 scale bytes, MODEL_SPEC §3.5), which the kernel reads as an fp8 pool.
 """
 from __future__ import annotations
 
@@ -23,21 +25,22 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import apply_rope
-from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
+from pallas_kernels.sparse_attention import Fp8Pool, sparse_mqa, sparse_mqa_reference
 
 
 def _kernel_fits(q: jnp.ndarray, pools) -> bool:
     _, h, d = q.shape
     return (backend.mode() in ("pallas", "interpret") and q.dtype == jnp.bfloat16
-            and all(kv.dtype == jnp.bfloat16 for kv, _ in pools)
+            and all(p[0].dtype == (jnp.bfloat16 if len(p) == 2 else jnp.float8_e4m3fn) for p in pools)
             and h % 64 == 0 and d % 128 == 0 and d <= 512)
 
 
-def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp.ndarray,
+def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp.ndarray | tuple,
               window_idx: jnp.ndarray, comp_kv: jnp.ndarray | None, comp_idx: jnp.ndarray | None,
               sink: jnp.ndarray, scale: float) -> jnp.ndarray:
     q = apply_rope(q, cos[:, None], sin[:, None])
-    pools = [(window_kv, window_idx)] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
+    window = Fp8Pool(*window_kv, window_idx) if isinstance(window_kv, tuple) else (window_kv, window_idx)
+    pools = [window] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
     if _kernel_fits(q, pools):
         out = sparse_mqa(q, pools, sink, scale, interpret=backend.interpret_params())
     else:

@@ -29,7 +29,7 @@ from model import quant
 from model.batch import StepInfo
 from model.config import ModelConfig
 from model.rope import cos_sin, inv_freq
-from model.state import ModelState, entry_rows
+from model.state import Fp8Ring, ModelState, entry_rows
 
 
 class Published(NamedTuple):
@@ -133,14 +133,8 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
     cos, sin = info.rope["compress" if ratio else "main"]
     r = rms_norm(linear(x, p["wq_a"]).astype(x.dtype), p["q_norm"], cfg.rms_norm_eps)
     q = linear(r, p["wq_b"]).astype(x.dtype).reshape(t, h, hd)
-    kv = rms_norm(linear(x, p["wkv"]).astype(x.dtype), p["kv_norm"], cfg.rms_norm_eps)
-    kv = quant.fp8_block32(apply_rope(kv, cos, sin))
-
-    ring = state.window[layer]
-    n_slots, w = ring.shape[:2]
-    window_pool = jnp.concatenate([ring.reshape(n_slots * w, hd), kv.astype(ring.dtype)])
-    keep = info.valid & (info.pos >= info.end - w)
-    new_ring = ring.at[_drop_rows(info.slot, keep, n_slots), info.pos % w].set(kv.astype(ring.dtype), mode="drop")
+    kv = apply_rope(rms_norm(linear(x, p["wkv"]).astype(x.dtype), p["kv_norm"], cfg.rms_norm_eps), cos, sin)
+    window_pool, new_ring = _window(kv, state.window[layer], info)
 
     update, comp_kv, comp_idx = None, None, None
     if ratio:
@@ -170,6 +164,22 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
     y = jnp.einsum("tgi,gri->tgr", o.reshape(t, g, -1), wo_a, precision=HIGHEST,
                    preferred_element_type=jnp.float32).astype(x.dtype)
     return linear(y.reshape(t, -1), p["wo_b"]).astype(x.dtype), new_ring, update, published
+
+
+def _window(kv: jnp.ndarray, ring, info: StepInfo):
+    """``(window pool, new ring)``: the step's window KV, FP8-quantised (MODEL_SPEC §3.5), is
+    appended to the ring's rows to serve the step's own queries and written into the ring at
+    ``pos % W``. An ``Fp8Ring`` keeps (and the pool carries) the quantiser's stored form, the
+    pair (e4m3 values, UE8M0 bytes); a plain ring its dequantised values."""
+    stored = isinstance(ring, Fp8Ring)
+    rows = quant.fp8_block32_stored(kv) if stored else (quant.fp8_block32(kv),)
+    rings = tuple(ring) if stored else (ring,)
+    n_slots, w = rings[0].shape[:2]
+    keep = info.valid & (info.pos >= info.end - w)
+    at = (_drop_rows(info.slot, keep, n_slots), info.pos % w)
+    pool = tuple(jnp.concatenate([r.reshape(n_slots * w, -1), x.astype(r.dtype)]) for r, x in zip(rings, rows))
+    new = tuple(r.at[at].set(x.astype(r.dtype), mode="drop") for r, x in zip(rings, rows))
+    return (pool, Fp8Ring(*new)) if stored else (pool[0], new[0])
 
 
 def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -> Published:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sparse_attention import ue8m0
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 # e2m1 magnitudes, and the thresholds between neighbours: ties round to the even code,
@@ -51,6 +53,13 @@ def fp8_block32_parts(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4) * (1.0 / FP8_MAX))
     q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return q.reshape(x.shape), scale[..., 0]
+
+
+def fp8_block32_stored(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """What an fp8 KV store keeps (MODEL_SPEC §3.5): e4m3 values and each scale's UE8M0
+    exponent byte ``[..., D / 32]`` (the scale is ``2**(e - 127)``)."""
+    q, scale = fp8_block32_parts(x)
+    return q, ue8m0(scale)
 
 
 def fp8_block32(x: jnp.ndarray) -> jnp.ndarray:

@@ -3,7 +3,10 @@
 The state holds ``B`` request slots. Per layer kind:
 
 * every backbone layer: a window ring ``[B, W, head_dim]``; the key at position ``p``
-  lives in slot ``p % W``;
+  lives in slot ``p % W``. With ``window_fp8`` the ring keeps the window-KV quantiser's
+  stored form instead (``Fp8Ring``: e4m3 values and UE8M0 scale bytes, 528 bytes a row at
+  head_dim 512 against 1 KB in bf16), which the fp8 path of the attention kernel reads;
+  the values it yields are the same, since the model fake-quantises the window KV anyway;
 * every KV source: a pool of compressed-KV rows and one of indexer-key rows, addressed
   through the page table (prefix-cacheable, so paged), and for ratio > 1 the pending
   group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens;
@@ -23,12 +26,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.engram_hash import DEAD
+
+
+class Fp8Ring(NamedTuple):
+    """A window ring in fp8: ``values`` [B, W, head_dim] float8_e4m3fn and ``scale``
+    [B, W, head_dim / 32] uint8 UE8M0 exponents (``model.quant.fp8_block32_stored``)."""
+    values: jnp.ndarray
+    scale: jnp.ndarray
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -38,7 +49,7 @@ from model.engram_hash import DEAD
 @dataclass(frozen=True)
 class ModelState:
     seq_lens: jnp.ndarray  # int32 [B]
-    window: tuple  # per backbone layer: [B, W, head_dim]
+    window: tuple  # per backbone layer: [B, W, head_dim], or an Fp8Ring
     comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
     index_k: tuple  # per KV source: [pages * page_size // ratio, index_head_dim]
     tail_kv: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
@@ -63,16 +74,25 @@ class ModelState:
 
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
-               dtype=jnp.float32) -> ModelState:
+               dtype=jnp.float32, window_fp8: bool = False) -> ModelState:
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
     if page_size <= 0 or any(page_size % r for r in ratios):
         raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio {ratios}")
     pages = -(-max_len // page_size)
     n_pages = batch_size * pages
     w, hd = cfg.sliding_window, cfg.head_dim
+    if window_fp8 and hd % 32:
+        raise ValueError(f"window_fp8 needs head_dim divisible by the 32-channel scale block, got {hd}")
+
+    def ring():
+        if window_fp8:
+            return Fp8Ring(jnp.zeros((batch_size, w, hd), jnp.float8_e4m3fn),
+                           jnp.full((batch_size, w, hd // 32), 127, jnp.uint8))   # scale 1
+        return jnp.zeros((batch_size, w, hd), dtype)
+
     return ModelState(
         seq_lens=jnp.zeros((batch_size,), jnp.int32),
-        window=tuple(jnp.zeros((batch_size, w, hd), dtype) for _ in range(cfg.num_hidden_layers)),
+        window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
         comp_kv=tuple(jnp.zeros((n_pages * page_size // r, hd), dtype) for r in ratios),
         index_k=tuple(jnp.zeros((n_pages * page_size // r, cfg.index_head_dim), dtype) for r in ratios),
         tail_kv=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),

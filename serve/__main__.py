@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="fp8_e4m3: keep the sliding-window KV as e4m3 values + UE8M0 scales (the model's own "
+                         "FP8 window format; same outputs, half the bytes); the compressed pools keep the model dtype")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--no-warmup", action="store_true")
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_running=args.max_running_requests, max_len=args.context_length,
                               page_size=args.page_size, prefill_budget=args.chunked_prefill_size,
                               decoder_replay=args.decoder_replay, overlap=not args.disable_overlap_schedule,
-                              prefix_cache=not args.disable_radix_cache)
+                              prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype)
         if args.model:
             engine = Engine.from_model_dir(args.model, config)
             name = args.served_model_name or Path(args.model).resolve().name

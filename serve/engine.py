@@ -51,8 +51,11 @@ class EngineConfig:
     overlap: bool = True
     prefix_cache: bool = True
     top_logprobs: int = 20
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": the window KV ring in its stored FP8 form
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
         if self.decoder_replay not in ("approx", "exact", "off"):
             raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
         if self.page_size <= 0 or self.page_size % 2:
@@ -89,7 +92,8 @@ class Engine:
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.prefill_budget, keep)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
-                                  config.pages, keep, self.buckets, config.top_logprobs)
+                                  config.pages, keep, self.buckets, config.top_logprobs,
+                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3")
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.prefill_budget,
                                    cfg.sliding_window, config.max_len, config.prefix_cache)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)

@@ -155,12 +155,13 @@ def run_step(params, state: DeviceState, inp: StepInput, engram_map, *, cfg: Mod
 
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
-                 num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20):
+                 num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
+                 window_fp8: bool = False):
         self.params, self.cfg, self.engram_map = params, cfg, engram_map
         self.buckets, self.replay_keep, self.num_top = buckets, replay_keep, num_top
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
-        model = init_state(cfg, max_running, max_len, page_size)
+        model = init_state(cfg, max_running, max_len, page_size, window_fp8=window_fp8)
         # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
         model = model.replace(
             comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)

@@ -5,6 +5,7 @@ import asyncio
 import json
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -141,6 +142,16 @@ def test_logprobs_are_returned(tiny, prompts):
     assert len(res["token_logprobs"]) == 8 and all(len(t) == 3 for t in res["top_logprobs"])
     for lp, top in zip(res["token_logprobs"], res["top_logprobs"]):
         assert top[0][1] >= top[1][1] >= top[2][1] and abs(lp - top[0][1]) < 1e-5  # greedy picks the top one
+
+
+def test_fp8_window_cache_gives_the_same_tokens(tiny, prompts, reference):
+    """``kv_cache_dtype="fp8_e4m3"`` stores the window ring as e4m3 + UE8M0 bytes: the window KV
+    the model fake-quantises anyway, so greedy decoding is unchanged (prefix cache on too)."""
+    engine = _engine(tiny, kv_cache_dtype="fp8_e4m3", prefix_cache=True)
+    assert engine.runner.state.model.window[0].values.dtype == jnp.float8_e4m3fn
+    assert [r.output for r in _staggered(engine, prompts)] == reference
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
 
 
 def test_prefix_cache_multi_turn(tiny, prompts):

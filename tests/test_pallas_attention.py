@@ -98,14 +98,17 @@ def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits)
     assert np.abs(out).max() > 0.1                          # and the other rows are not trivial
 
 
-def test_model_attention_dispatches_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize("fp8_window", [False, True])
+def test_model_attention_dispatches_to_the_kernel(monkeypatch, fp8_window):
     """``mega.attention`` (q RoPE, kernel, inverse RoPE) through the interpreted kernel equals
-    its reference path on the same bf16 inputs with a real rotation."""
+    its reference path on the same inputs with a real rotation; the window pool in bf16 or in
+    its stored FP8 form (values, UE8M0 bytes)."""
     t_len, heads, d, half = 3, 64, 128, 32
-    q, (win, comp), sink, masked = _case(t_len, heads, d, [(40, 16), (30, 24)])
+    q, (win, comp), sink, masked = _case(t_len, heads, d, [(40, 16, "fp8") if fp8_window else (40, 16), (30, 24)])
+    window_kv = (win.kv, win.scale) if fp8_window else win[0]
     angles = jax.random.uniform(_key(), (t_len, half), minval=0, maxval=6.28)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    run = lambda: attention(q, cos, sin, win[0], win[1], comp[0], comp[1], sink, d ** -0.5)  # noqa: E731
+    run = lambda: attention(q, cos, sin, window_kv, win[-1], comp[0], comp[1], sink, d ** -0.5)  # noqa: E731
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     ref = np.asarray(run(), np.float32)
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")

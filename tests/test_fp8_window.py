@@ -1,0 +1,41 @@
+"""The window ring in its stored FP8 form (``init_state(window_fp8=True)``) serves the same
+window KV as the plain ring: the model fake-quantises the window KV anyway, so the logits
+and the ring's dequantised rows must match the default state's."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.batch import pack_requests
+from model.forward import forward_jit
+from model.state import Fp8Ring, init_state
+from pallas_kernels.sparse_attention import dequantize_fp8
+
+
+def _run(tiny, state, ids, calls):
+    logits, pos = [], 0
+    for n in calls:   # a prefill, a chunk that wraps the ring, then decode steps
+        batch = pack_requests([(0, ids[pos:pos + n], pos)], pad_to=64 if n > 1 else 1)
+        out, state = forward_jit(tiny.params, tiny.cfg, state, batch, tiny.emap)
+        logits.append(np.asarray(out)[:n])
+        pos += n
+    return np.concatenate(logits), state
+
+
+def test_fp8_ring_matches_the_plain_ring(tiny):
+    ids = tiny.cases["c50_chunked"]["prompt_ids"]
+    calls = [20, len(ids) - 23, 1, 1, 1]
+    want, plain = _run(tiny, init_state(tiny.cfg, 1, 64, page_size=16), ids, calls)
+    got, stored = _run(tiny, init_state(tiny.cfg, 1, 64, page_size=16, window_fp8=True), ids, calls)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    for ring, ref in zip(stored.window, plain.window):
+        assert isinstance(ring, Fp8Ring) and ring.values.dtype == jnp.float8_e4m3fn and ring.scale.dtype == jnp.uint8
+        np.testing.assert_array_equal(np.asarray(dequantize_fp8(ring.values, ring.scale)), np.asarray(ref))
+
+
+def test_fp8_ring_needs_whole_scale_blocks(tiny):
+    with pytest.raises(ValueError, match="head_dim"):
+        init_state(dataclasses.replace(tiny.cfg, head_dim=48), 1, 64, window_fp8=True)
