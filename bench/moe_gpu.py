@@ -17,7 +17,12 @@ Up to 256 rows per expert, ``T…_fp8w`` cases also run the kernels on fp8 e4m3 
 dequantised weights, against their own roofline (half the weight bytes). No peer here takes
 block-scaled fp8 grouped weights on Hopper (GPU_KERNELS.md §5), so those rows have none.
 
-    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--plot results.png]
+``--shared 16,256``: those sizes also run with the shared expert, its T rows (one per token)
+as a 7th group: ``megajax_fused_shared`` is the model's layout (routed stacks plus the shared
+expert's own weights, run in the same two launches through ``shared=``), every other impl
+sees 7 stacked experts; the roofline counts the 7 experts' weights.
+
+    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--plot results.png]
 """
 from __future__ import annotations
 
@@ -105,7 +110,7 @@ def unpadded(y, counts):
 
 @functools.partial(jax.jit, static_argnames=("n", "rows"))
 def aligned(xs, gs, n, rows):
-    dest, block_expert, m_pad = aligned_layout(gs, n, rows, E)
+    dest, block_expert, m_pad = aligned_layout(gs, n, rows, gs.shape[0])
     return jnp.zeros((m_pad, D), xs.dtype).at[dest].set(xs), dest, block_expert
 
 
@@ -172,20 +177,26 @@ def impls(xs, w1, w3, w2, counts):
     return out
 
 
-def run_case(t, routing, ceil, rows, roof, fp8w=False):
+def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
     counts = counts_for(t, routing)
-    n = int(counts.sum())
-    keys = jax.random.split(jax.random.key(t * 7 + len(routing)), 4)  # fresh data per case
+    if shared:   # the shared expert as one more group of rows: t tokens, each once
+        counts = np.append(counts, t)
+    n, n_e = int(counts.sum()), len(counts)
+    keys = jax.random.split(jax.random.key(t * 7 + len(routing) + shared), 4)  # fresh data per case
     xs = jax.random.normal(keys[0], (n, D), jnp.bfloat16)
-    w1, w3 = (jax.random.normal(k, (E, I, D), jnp.bfloat16) * D ** -0.5 for k in keys[1:3])
-    w2 = jax.random.normal(keys[3], (E, D, I), jnp.bfloat16) * I ** -0.5
+    w1, w3 = (jax.random.normal(k, (n_e, I, D), jnp.bfloat16) * D ** -0.5 for k in keys[1:3])
+    w2 = jax.random.normal(keys[3], (n_e, D, I), jnp.bfloat16) * I ** -0.5
     ref = np.asarray(reference(xs, w1, w3, w2, tuple(int(c) for c in counts)))
     case = {"tokens_per_expert": t, "routing": routing, "counts": counts.tolist(), "experts": E,
-            "hidden": D, "intermediate": I, "dtype": "bf16"}
-    key = f"T{t}_{routing}"
+            "hidden": D, "intermediate": I, "dtype": "bf16", "shared_expert": shared}
+    key = f"T{t}_{routing}" + ("_shared" if shared else "")
     flops = 2 * 3 * n * D * I
-    roof[key] = roofline_ms(flops, 3 * E * I * D * 2 + 2 * n * D * 2, ceil)
-    if not fp8w:
+    roof[key] = roofline_ms(flops, 3 * n_e * I * D * 2 + 2 * n * D * 2, ceil)
+    if shared:   # peers and megajax see E + 1 stacked experts; megajax_fused_shared the model's layout
+        variants = impls(xs, w1, w3, w2, counts)
+        variants.update(fused_shared_impls(xs, w1, w3, w2, counts))
+        measure(key, case, variants, ref, rows, roof)
+    elif not fp8w:
         measure(key, case, impls(xs, w1, w3, w2, counts), ref, rows, roof)
     elif t <= 256:  # fp8 weights: the weight-streaming (decode) regime, against its own roofline
         q1, q3, q2 = (QuantizedWeight.from_float(w) for w in (w1, w3, w2))
@@ -195,6 +206,21 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False):
         roof[key + "_fp8w"] = roofline_ms(flops, fp8_bytes, ceil)
         measure(key + "_fp8w", {**case, "dtype": "fp8 e4m3 weights, 128x128 block scales"},
                 fp8_impls(xs, q1, q3, q2, counts), ref, rows, roof)
+
+
+def fused_shared_impls(xs, w1, w3, w2, counts):
+    """The model's layout: routed stacks [E] plus the shared expert's own weights, passed as
+    ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches."""
+    n = int(counts.sum())
+    out = {}
+    for cu, cd in CONFIGS:
+        x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
+        fn = jax.jit(lambda x, a, b, c, sa, sb, sc, be, cu=cu, cd=cd: grouped_matmul(
+            grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, shared=(sa, sb), interpret=INTERPRET),
+            c, be, cfg=cd, shared=sc, interpret=INTERPRET))
+        args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert)   # (sliced once, untimed)
+        out[config_name("megajax_fused_shared", cu, cd)] = ("jax", fn, args, lambda y, dest=dest: y[dest])
+    return out
 
 
 def config_name(prefix, cu, cd):
@@ -294,6 +320,8 @@ def main():
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP block configs")
+    ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
+                    "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
     global E, D, I, INTERPRET, CONFIGS
     if args.sweep:
@@ -312,10 +340,13 @@ def main():
     rows, roof = [], {}
     cases = [(t, r) for r in args.routing.split(",") for t in map(int, args.tokens.split(","))]
     cases += [(int(t), "skewed") for t in args.skewed.split(",") if args.skewed]
+    shared_cases = [int(t) for t in args.shared.split(",") if t]
     # the fp8-weight cases last: a kernel fault spoils the process, not the rows before it
     weights = args.weights.split(",")
-    for fp8w, (t, routing) in [(w == "fp8", c) for w in ("bf16", "fp8") if w in weights for c in cases]:
-        run_case(t, routing, ceil, rows, roof, fp8w)
+    runs = [(False, True, (t, "balanced")) for t in shared_cases]
+    runs += [(w == "fp8", False, c) for w in ("bf16", "fp8") if w in weights for c in cases]
+    for fp8w, shared, (t, routing) in runs:
+        run_case(t, routing, ceil, rows, roof, fp8w, shared)
         payload = {**info, "benchmark": "moe_gpu", "ceilings": ceil, "rows": rows,
                    "roofline_ms": roof, "summary": summarize(rows, roof)}
         path = write("moe_gpu", payload)  # after every case: a killed run keeps what it measured
