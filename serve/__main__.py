@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                     help="fp8_e4m3: keep the sliding-window KV as e4m3 values + UE8M0 scales (the model's own "
-                         "FP8 window format; same outputs, half the bytes); the compressed pools keep the model dtype")
+                         "FP8 window format, so the same outputs; 528 bytes a row at head_dim 512); the compressed "
+                         "pools keep the model dtype")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--no-warmup", action="store_true")
