@@ -25,7 +25,8 @@ dequantises the fp8 tile through registers into a bf16 tile (the CTA's tile scal
 loaded once) before the wgmma. With one compute warpgroup that pass runs in series with the
 wgmma; warp specialised, the two compute warpgroups split the tile's columns
 (``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
-warpgroup streams the next.
+warpgroup streams the next (measured no faster than one warpgroup on the H200:
+bench/RESULTS.md).
 
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a

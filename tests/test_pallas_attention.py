@@ -138,7 +138,7 @@ def test_fp8_quantiser_matches_the_spec():
 @pytest.mark.parametrize("t_len,splits", [(4 * 64, 1), (4096, 1), (4 * 8, 4)])  # decode 64 / 8 requests, prefill
 def test_cross_lowering_v41_shapes(t_len, splits, kinds):
     """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
-    (with fp8 pools the slots' fp8 view adds to the union: 226 KB of 227), and the inline cp.async
+    (226 KB of 227 for every mix of pool kinds: the fp8 view lies inside the bf16 slots), and the inline cp.async
     gather that the interpreter does not run."""
     heads, d = 64, 512
     q = jax.ShapeDtypeStruct((t_len, heads, d), jnp.bfloat16)
