@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from model.batch import Batch
 from model.config import ModelConfig
 from model.forward import forward
-from model.state import init_state
+from model.state import init_state, state_dtype
 
 
 def _prefill(params, cfg: ModelConfig, tokens, lengths, engram_map, page_size: int, logit_rows=None):
@@ -19,7 +19,7 @@ def _prefill(params, cfg: ModelConfig, tokens, lengths, engram_map, page_size: i
     live = pos < lengths[:, None]
     seq_ids = jnp.where(live, jnp.arange(b, dtype=jnp.int32)[:, None], -1)
     batch = Batch(tokens.reshape(-1), seq_ids.reshape(-1), pos.reshape(-1))
-    logits, _ = forward(params, cfg, init_state(cfg, b, length, page_size=page_size), batch, engram_map,
+    logits, _ = forward(params, cfg, init_state(cfg, b, length, page_size, state_dtype(params)), batch, engram_map,
                         logit_rows=logit_rows)
     return logits, live
 

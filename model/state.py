@@ -20,6 +20,10 @@ Pages are counted in tokens: page ``j`` of a request covers its tokens
 ``[j * page_size, (j + 1) * page_size)``, i.e. ``page_size // ratio`` entries of a
 ratio-``r`` source, so an even page size never splits a ratio-2 group. ``init_state``
 gives each slot its own contiguous pages; the engine will hand pages out itself.
+
+The rings and pools take the model's activation ``dtype`` (``state_dtype(params)``): they hold
+fake-quantised values (FP8, NVFP4 and FP4 grids), which bf16 represents exactly, so a bf16
+model keeps its KV in bf16 (half the bytes of fp32, and the dtype the attention kernel reads).
 """
 from __future__ import annotations
 
@@ -71,6 +75,11 @@ class ModelState:
 
     def replace(self, **kw) -> "ModelState":
         return dataclasses.replace(self, **kw)
+
+
+def state_dtype(params: dict):
+    """The dtype of a model's KV rings and pools: its activations' (the embedding's)."""
+    return params["embed"].dtype
 
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,

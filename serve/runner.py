@@ -20,7 +20,7 @@ import numpy as np
 from model.batch import Batch
 from model.config import ModelConfig
 from model.forward import forward
-from model.state import ModelState, init_state
+from model.state import ModelState, init_state, state_dtype
 from serve.sampling import SampleOutput, SamplingArrays, sample
 
 TRACES = 0
@@ -161,7 +161,7 @@ class ModelRunner:
         self.buckets, self.replay_keep, self.num_top = buckets, replay_keep, num_top
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
-        model = init_state(cfg, max_running, max_len, page_size, window_fp8=window_fp8)
+        model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8)
         # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
         model = model.replace(
             comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)

@@ -1,0 +1,63 @@
+"""A bf16 model of kernel-sized attention served by the engine reaches the kernels.
+
+Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
+decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
+MegaAttention kernel accepts, and the MoE runs the grouped kernels (interpreted here). The
+kernels' numerics are tested against their references in ``test_pallas_*``; the attention
+kernel is stood in for by its reference behind a recorder, since interpreted at 64 heads it
+takes minutes per step.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mega.attention
+import mega.moe
+from checkpoints.init import init_params
+from model.config import ModelConfig
+from serve.engine import Engine, EngineConfig
+
+
+@pytest.fixture(scope="module")
+def kernel_sized():
+    cfg = ModelConfig.from_dict({
+        "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 64,
+        "head_dim": 128, "q_lora_rank": 64, "qk_rope_head_dim": 64, "sliding_window": 8,
+        "compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [1],
+        "candidate_topk_blocks": 64, "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 64,
+        "index_topk": 16, "o_groups": 2, "o_lora_rank": 64, "moe_intermediate_size": 128,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "num_nextn_predict_layers": 1})
+    return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch):
+    cfg, params = kernel_sized
+    seen = {"attention": [], "moe": 0}
+
+    def attention_kernel(q, pools, sink, scale, interpret=None):
+        seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
+        return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
+
+    def swiglu_kernel(*args, **kw):
+        seen["moe"] += 1
+        return grouped_swiglu(*args, **kw)
+
+    grouped_swiglu = mega.moe.grouped_swiglu
+    monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    monkeypatch.setattr(mega.attention, "sparse_mqa", attention_kernel)
+    monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
+    engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
+                                              kv_cache_dtype=kv_cache_dtype))
+    out = engine.generate([list(range(3, 16)), list(range(20, 42))],
+                          {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": True},
+                          decode_text=False)
+    window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
+    # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
+    assert len(seen["attention"]) == seen["moe"] >= 4
+    for dtypes, fits in seen["attention"]:
+        assert fits and dtypes[0] == window and all(d == jnp.bfloat16 for d in dtypes[1:])
+    assert any(len(dtypes) == 2 for dtypes, _ in seen["attention"])   # the KV source's compressed pool
+    assert all(len(o["output_ids"]) == 2 and np.isfinite(o["token_logprobs"]).all() for o in out)
