@@ -22,12 +22,21 @@ same workload with one new token, which is timed too).
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
+    python3 bench/engine_gpu.py --modes pallas --profile  # + where a decode step's device time goes
+
+``--profile`` traces 8 decode steps of the decode workload (``jax.profiler``) and sums the
+device time of the kernels by the scope of the op they run (the mega operators, the indexer,
+the compressor and the LM head carry ``jax.named_scope`` labels; the rest is "other").
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,7 +82,7 @@ def workloads(smoke: bool):
             "decode_prefill_only": (decode, 1)}
 
 
-def run_mode(mode: str, smoke: bool) -> dict:
+def run_mode(mode: str, smoke: bool, profile: bool = False) -> dict:
     """One mode's checks and timings (call in a fresh process: the mode is fixed at trace time)."""
     # (the smoke run on CPU exercises the script only: references everywhere)
     os.environ["MEGAJAX_KERNELS"] = "pallas" if mode.startswith("pallas") and not smoke else "reference"
@@ -103,7 +112,43 @@ def run_mode(mode: str, smoke: bool) -> dict:
             out[name]["outputs"] = [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]
         out[name]["compiled_shapes"] = engine.runner.compile_count
         print(mode, name, json.dumps({k: v for k, v in out[name].items() if k != "outputs"}), flush=True)
+    if profile:
+        out["profile"] = profile_decode(engine, workloads(smoke)["decode"][0])
+        print(mode, "profile", json.dumps(out["profile"]), flush=True)
     return out
+
+
+SCOPES = ("attention", "indexer", "compressor", "mega_attention", "mega_moe", "mega_mhc", "engram", "lm_head")
+
+
+def profile_decode(engine, prompts) -> dict:
+    """Device time of 8 decode steps (after the prompts' prefill), summed per scope and per kernel."""
+    import jax
+
+    sp = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    rids = [engine.add_request(p, sp | {"max_new_tokens": 9})[0] for p in prompts]
+    while any(not engine._requests[r].output for r in rids):   # prefill done
+        engine.step()
+    trace_dir = f"/tmp/engine_profile_{os.getpid()}"
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        engine.run_until_idle()
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+    by_scope, by_kernel = collections.Counter(), collections.Counter()
+    for e in kernels:
+        label = " ".join(str(v) for v in e.get("args", {}).values()) + " " + e["name"]
+        # the innermost labelled scope (the name stack reads outer/inner/op)
+        scope = next((p for p in reversed(re.split(r"[/\s]", label)) if p in SCOPES), "other")
+        by_scope[scope] += e["dur"]
+        by_kernel[e["name"][:120]] += e["dur"]
+    total = sum(by_scope.values())
+    return {"decode_steps": 8, "kernels": len(kernels), "device_us": total,
+            "by_scope_us": dict(by_scope.most_common()), "top_kernels_us": dict(by_kernel.most_common(30)),
+            "sample_args": [e.get("args") for e in kernels[:3]]}
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -124,13 +169,14 @@ def main():
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child process: run one mode, print its JSON
     ap.add_argument("--timeout", type=int, default=240, help="seconds per mode")
     ap.add_argument("--name", default="engine_gpu", help="JSON file name under $OUT")
+    ap.add_argument("--profile", action="store_true", help="per-scope device time of decode steps")
     args = ap.parse_args()
     if args.mode:
-        print("RESULT " + json.dumps(run_mode(args.mode, args.smoke)))
+        print("RESULT " + json.dumps(run_mode(args.mode, args.smoke, args.profile)))
         return
     results, errors = {}, {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode] + (["--smoke"] if args.smoke else [])
+        cmd = [sys.executable, __file__, "--mode", mode] + ["--smoke"] * args.smoke + ["--profile"] * args.profile
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -145,6 +145,7 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
     return grouped(h.astype(xs.dtype), w2)
 
 
+@jax.named_scope("mega_moe")  # a label in device profiles
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]

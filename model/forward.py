@@ -107,7 +107,8 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
                 jnp.arange(row_src.shape[0], dtype=jnp.int32), mode="drop")
             logit_rows = where[logit_rows]
         x = x[logit_rows]
-    logits = linear(x, params["lm_head"])
+    with jax.named_scope("lm_head"):
+        logits = linear(x, params["lm_head"])
     new_state = state.replace(seq_lens=info.ends, window=tuple(windows), engram_hist=engram_hist)
     if trace:
         return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows, selections)

@@ -67,7 +67,9 @@ def has_grammar(params: SamplingParams) -> bool:
 def compile_grammar(params: SamplingParams, vocab_size: int, eos_ids: tuple[int, ...],
                     activate_after: int | None = None) -> Grammar | None:
     """The request's Grammar (None without a constraint); GrammarError naming the field when invalid."""
-    import llguidance
+    if not has_grammar(params):
+        return None
+    import llguidance   # only constrained requests need it
 
     if params.json_schema is not None:
         field, schema = "json_schema", params.json_schema
@@ -79,14 +81,12 @@ def compile_grammar(params: SamplingParams, vocab_size: int, eos_ids: tuple[int,
             raise GrammarError(field, f"invalid JSON schema: {e}") from None
     elif params.regex is not None:
         field, text = "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)
-    elif params.ebnf is not None:
+    else:
         field = "ebnf"
         try:
             text = llguidance.grammar_from("ebnf", params.ebnf)
         except ValueError as e:
             raise GrammarError(field, f"invalid grammar: {e}") from None
-    else:
-        return None
     matcher = llguidance.LLMatcher(_tokenizer(vocab_size, eos_ids), text, log_level=0)
     if matcher.is_error():
         raise GrammarError(field, f"invalid {field}: {matcher.get_error()}")
