@@ -11,22 +11,22 @@ weights, bf16. Modes, each in its own process (the kernel choice is made when a 
 * ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the window ring stored in FP8);
 * ``fp32``: the reference with the same weights in fp32: the ground truth of the checks.
 
-Per mode: ``check``, greedy decoding of 4 prompts (700-1300 tokens, 16 new tokens) with the
+Per mode: ``check``, greedy decoding of 4 prompts (350-650 tokens, 16 new tokens) with the
 chosen tokens' log-probs (compared with ``fp32`` and with ``reference``: tokens equal up to the
 first difference, and the log-prob gap over that common prefix, whose first entry, the
-prefill's, does not depend on earlier tokens); ``prefill``, 8 prompts x 1024 tokens with one
-new token; ``decode``, 32 prompts x 256 tokens with 64 new tokens. Each workload runs once to
+prefill's, does not depend on earlier tokens); ``prefill``, 8 prompts x 512 tokens with one
+new token; ``decode``, 32 prompts x 128 tokens with 32 new tokens. Each workload runs once to
 compile its buckets, then is timed (wall clock of ``Engine.generate``; the decode workload's
 figure includes its prefill, so the per-token decode time is its time minus that of the
 same workload with one new token, which is timed too).
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
-    python3 bench/engine_gpu.py --modes pallas --profile  # + where a decode step's device time goes
+    python3 bench/engine_gpu.py --modes pallas --profile  # + where the device time goes
 
-``--profile`` traces 8 decode steps of the decode workload (``jax.profiler``) and sums the
-device time of the kernels by the scope of the op they run (the mega operators, the indexer,
-the compressor and the LM head carry ``jax.named_scope`` labels; the rest is "other").
+``--profile`` runs the check workload once more under ``jax.profiler`` and sums the device
+time of its kernels by the scope of the op they run (the mega operators, the indexer, the
+compressor and the LM head carry ``jax.named_scope`` labels; the rest is "other").
 """
 from __future__ import annotations
 
@@ -75,14 +75,14 @@ def workloads(smoke: bool):
 
     def prompts(n, length):
         return [rng.integers(3, 129000, size=length // scale).tolist() for _ in range(n)]
-    # prefill steps of at most 4K and 8K tokens and decode steps of 4 and 32 rows: few shapes to compile
-    check = [rng.integers(3, 129000, size=n // scale).tolist() for n in (700, 900, 1100, 1300)]
-    decode = prompts(32, 256)
-    return {"check": (check, 16), "prefill": (prompts(8, 1024), 1), "decode": (decode, 64),
+    # prefill steps of at most 2K and 4K tokens and decode steps of 4 and 32 rows: few shapes to compile
+    check = [rng.integers(3, 129000, size=n // scale).tolist() for n in (350, 450, 550, 650)]
+    decode = prompts(32, 128)
+    return {"check": (check, 16), "prefill": (prompts(8, 512), 1), "decode": (decode, 32),
             "decode_prefill_only": (decode, 1)}
 
 
-def run_mode(mode: str, smoke: bool, profile: bool = False) -> dict:
+def run_mode(mode: str, smoke: bool, profiled: bool = False) -> dict:
     """One mode's checks and timings (call in a fresh process: the mode is fixed at trace time)."""
     # (the smoke run on CPU exercises the script only: references everywhere)
     os.environ["MEGAJAX_KERNELS"] = "pallas" if mode.startswith("pallas") and not smoke else "reference"
@@ -94,8 +94,8 @@ def run_mode(mode: str, smoke: bool, profile: bool = False) -> dict:
 
     cfg = config(smoke)
     params = init_params(cfg, seed=0, dtype=jnp.float32 if mode == "fp32" else jnp.bfloat16)
-    engine_cfg = EngineConfig(max_running=32, max_len=4096 // (16 if smoke else 1) + 128,
-                              prefill_budget=8192 // (16 if smoke else 1),
+    engine_cfg = EngineConfig(max_running=32, max_len=1024 // (16 if smoke else 1) + 128,
+                              prefill_budget=4096 // (16 if smoke else 1),
                               kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto")
     engine = Engine(params, cfg, engine_cfg)
     out = {"mode": mode, "kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend()}
@@ -112,26 +112,22 @@ def run_mode(mode: str, smoke: bool, profile: bool = False) -> dict:
             out[name]["outputs"] = [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]
         out[name]["compiled_shapes"] = engine.runner.compile_count
         print(mode, name, json.dumps({k: v for k, v in out[name].items() if k != "outputs"}), flush=True)
-    if profile:
-        out["profile"] = profile_decode(engine, workloads(smoke)["decode"][0])
-        print(mode, "profile", json.dumps(out["profile"]), flush=True)
+        if profiled and name == "check":
+            out["profile"] = profile(engine, prompts, sp)
+            print(mode, "profile", json.dumps(out["profile"]), flush=True)
     return out
 
 
 SCOPES = ("attention", "indexer", "compressor", "mega_attention", "mega_moe", "mega_mhc", "engram", "lm_head")
 
 
-def profile_decode(engine, prompts) -> dict:
-    """Device time of 8 decode steps (after the prompts' prefill), summed per scope and per kernel."""
+def profile(engine, prompts, sp) -> dict:
+    """Device time of ``engine.generate(prompts, sp)``, summed per scope and per kernel."""
     import jax
 
-    sp = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
-    rids = [engine.add_request(p, sp | {"max_new_tokens": 9})[0] for p in prompts]
-    while any(not engine._requests[r].output for r in rids):   # prefill done
-        engine.step()
     trace_dir = f"/tmp/engine_profile_{os.getpid()}"
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        engine.run_until_idle()
+        engine.generate(prompts, sp, decode_text=False)
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -146,7 +142,7 @@ def profile_decode(engine, prompts) -> dict:
         by_scope[scope] += e["dur"]
         by_kernel[e["name"][:120]] += e["dur"]
     total = sum(by_scope.values())
-    return {"decode_steps": 8, "kernels": len(kernels), "device_us": total,
+    return {"kernels": len(kernels), "device_us": total,
             "by_scope_us": dict(by_scope.most_common()), "top_kernels_us": dict(by_kernel.most_common(30)),
             "sample_args": [e.get("args") for e in kernels[:3]]}
 
@@ -169,7 +165,7 @@ def main():
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child process: run one mode, print its JSON
     ap.add_argument("--timeout", type=int, default=240, help="seconds per mode")
     ap.add_argument("--name", default="engine_gpu", help="JSON file name under $OUT")
-    ap.add_argument("--profile", action="store_true", help="per-scope device time of decode steps")
+    ap.add_argument("--profile", action="store_true", help="per-scope device time of the check workload")
     args = ap.parse_args()
     if args.mode:
         print("RESULT " + json.dumps(run_mode(args.mode, args.smoke, args.profile)))
