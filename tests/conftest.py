@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -11,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# A fresh persistent compilation cache per test session (inherited by the CLI subprocesses):
+# tests never read executables that other runs or other JAX builds left in ~/.cache.
+os.environ["MEGAJAX_JAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-jax-cache-")
 
 GOLDEN = ROOT.parent / "shared" / "golden"
 REPORT: dict[str, str] = {}
