@@ -11,32 +11,24 @@ weights, bf16. Modes, each in its own process (the kernel choice is made when a 
 * ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the window ring stored in FP8);
 * ``fp32``: the reference with the same weights in fp32: the ground truth of the checks.
 
-Per mode: ``check``, greedy decoding of 4 prompts (350-650 tokens, 16 new tokens) with the
-chosen tokens' log-probs (compared with ``fp32`` and with ``reference``: tokens equal up to the
-first difference, and the log-prob gap over that common prefix, whose first entry, the
-prefill's, does not depend on earlier tokens); ``prefill``, 8 prompts x 512 tokens with one
-new token; ``decode``, 32 prompts x 128 tokens with 32 new tokens. Each workload runs once to
-compile its buckets, then is timed (wall clock of ``Engine.generate``; the decode workload's
-figure includes its prefill, so the per-token decode time is its time minus that of the
-same workload with one new token, which is timed too).
+One workload, so that a mode compiles two step shapes only (XLA's GEMM autotuning makes a
+step of this model take tens of seconds to compile on the H200): 32 prompts x 128 tokens
+(one 4096-token prefill step), greedy, with the chosen tokens' log-probs. ``prefill``: one new
+token; ``decode``: 16 new tokens, so a decode step (32 rows) takes (decode - prefill) / 15.
+Each runs once to compile, then is timed (wall clock of ``Engine.generate``; no prefix cache,
+so the timed pass repeats the first one's shapes and work). Checks against ``fp32`` and
+``reference``: tokens equal up to the first difference, and the log-prob gap over that common
+prefix (its first entry, the prefill's, does not depend on earlier tokens). A child prints
+each result as it comes (``PART`` lines), so a mode cut by its time limit keeps what it did.
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
-    python3 bench/engine_gpu.py --modes pallas --profile  # + where the device time goes
-
-``--profile`` runs the check workload once more under ``jax.profiler`` and sums the device
-time of its kernels by the scope of the op they run (the mega operators, the indexer, the
-compressor and the LM head carry ``jax.named_scope`` labels; the rest is "other").
 """
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -67,23 +59,16 @@ def config(smoke: bool):
         "engram_head_dim": 32 if smoke else 256})
 
 
-def workloads(smoke: bool):
+def prompts(smoke: bool) -> list[list[int]]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    scale = 16 if smoke else 1
-
-    def prompts(n, length):
-        return [rng.integers(3, 129000, size=length // scale).tolist() for _ in range(n)]
-    # prefill steps of at most 2K and 4K tokens and decode steps of 4 and 32 rows: few shapes to compile
-    check = [rng.integers(3, 129000, size=n // scale).tolist() for n in (350, 450, 550, 650)]
-    decode = prompts(32, 128)
-    return {"check": (check, 16), "prefill": (prompts(8, 512), 1), "decode": (decode, 32),
-            "decode_prefill_only": (decode, 1)}
+    return [rng.integers(3, 129000, size=8 if smoke else 128).tolist() for _ in range(32)]
 
 
-def run_mode(mode: str, smoke: bool, profiled: bool = False) -> dict:
-    """One mode's checks and timings (call in a fresh process: the mode is fixed at trace time)."""
+def run_mode(mode: str, smoke: bool) -> None:
+    """One mode's timings and outputs as ``PART`` lines (call in a fresh process: the kernel
+    choice is fixed at trace time)."""
     # (the smoke run on CPU exercises the script only: references everywhere)
     os.environ["MEGAJAX_KERNELS"] = "pallas" if mode.startswith("pallas") and not smoke else "reference"
     import jax
@@ -92,69 +77,37 @@ def run_mode(mode: str, smoke: bool, profiled: bool = False) -> dict:
     from checkpoints.init import init_params
     from serve.engine import Engine, EngineConfig
 
+    def part(key, value):
+        print("PART " + json.dumps({key: value}), flush=True)
+
     cfg = config(smoke)
+    t0 = time.perf_counter()
     params = init_params(cfg, seed=0, dtype=jnp.float32 if mode == "fp32" else jnp.bfloat16)
-    engine_cfg = EngineConfig(max_running=32, max_len=1024 // (16 if smoke else 1) + 128,
-                              prefill_budget=4096 // (16 if smoke else 1),
-                              kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto")
-    engine = Engine(params, cfg, engine_cfg)
-    out = {"mode": mode, "kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend()}
-    for name, (prompts, new) in workloads(smoke).items():
-        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, "logprobs": name == "check"}
+    engine = Engine(params, cfg, EngineConfig(max_running=32, max_len=256, prefill_budget=4096, prefix_cache=False,
+                                              kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto"))
+    part("setup", {"kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend(),
+                   "init_s": time.perf_counter() - t0})
+    batch = prompts(smoke)
+    for name, new in (("prefill", 1), ("decode", 16)):
+        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, "logprobs": True}
         t0 = time.perf_counter()
-        res = engine.generate(prompts, sp, decode_text=False)
+        engine.generate(batch, sp, decode_text=False)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        res = engine.generate(prompts, sp, decode_text=False)
-        out[name] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new,
-                     "first_s": first, "s": time.perf_counter() - t0}
-        if name == "check":
-            out[name]["outputs"] = [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]
-        out[name]["compiled_shapes"] = engine.runner.compile_count
-        print(mode, name, json.dumps({k: v for k, v in out[name].items() if k != "outputs"}), flush=True)
-        if profiled and name == "check":
-            out["profile"] = profile(engine, prompts, sp)
-            print(mode, "profile", json.dumps(out["profile"]), flush=True)
-    return out
-
-
-SCOPES = ("attention", "indexer", "compressor", "mega_attention", "mega_moe", "mega_mhc", "engram", "lm_head")
-
-
-def profile(engine, prompts, sp) -> dict:
-    """Device time of ``engine.generate(prompts, sp)``, summed per scope and per kernel."""
-    import jax
-
-    trace_dir = f"/tmp/engine_profile_{os.getpid()}"
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        engine.generate(prompts, sp, decode_text=False)
-    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
-    by_scope, by_kernel = collections.Counter(), collections.Counter()
-    for e in kernels:
-        label = " ".join(str(v) for v in e.get("args", {}).values()) + " " + e["name"]
-        # the innermost labelled scope (the name stack reads outer/inner/op)
-        scope = next((p for p in reversed(re.split(r"[/\s]", label)) if p in SCOPES), "other")
-        by_scope[scope] += e["dur"]
-        by_kernel[e["name"][:120]] += e["dur"]
-    total = sum(by_scope.values())
-    return {"kernels": len(kernels), "device_us": total,
-            "by_scope_us": dict(by_scope.most_common()), "top_kernels_us": dict(by_kernel.most_common(30)),
-            "sample_args": [e.get("args") for e in kernels[:3]]}
+        res = engine.generate(batch, sp, decode_text=False)
+        part(name, {"requests": len(batch), "prompt_tokens": sum(map(len, batch)), "new_tokens": new,
+                    "first_s": first, "s": time.perf_counter() - t0, "compiled_shapes": engine.runner.compile_count,
+                    "outputs": [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]})
 
 
 def compare(ref: dict, got: dict) -> dict:
     """Tokens equal to the ground truth's up to the first difference; log-prob gaps over that prefix."""
     same, gaps = [], []
-    for r, g in zip(ref["check"]["outputs"], got["check"]["outputs"]):
+    for r, g in zip(ref["decode"]["outputs"], got["decode"]["outputs"]):
         n = next((i for i, (a, b) in enumerate(zip(r["ids"], g["ids"])) if a != b), len(r["ids"]))
         same.append(n)
         gaps += [abs(a - b) for a, b in zip(r["logprobs"][:n + 1], g["logprobs"][:n + 1])]
-    return {"tokens_equal_prefix": same, "of": len(ref["check"]["outputs"][0]["ids"]),
+    return {"tokens_equal_prefix": same, "of": len(ref["decode"]["outputs"][0]["ids"]),
             "max_logprob_gap": max(gaps), "mean_logprob_gap": sum(gaps) / len(gaps)}
 
 
@@ -162,31 +115,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child process: run one mode, print its JSON
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child process: run one mode
     ap.add_argument("--timeout", type=int, default=240, help="seconds per mode")
     ap.add_argument("--name", default="engine_gpu", help="JSON file name under $OUT")
-    ap.add_argument("--profile", action="store_true", help="per-scope device time of the check workload")
     args = ap.parse_args()
     if args.mode:
-        print("RESULT " + json.dumps(run_mode(args.mode, args.smoke, args.profile)))
+        run_mode(args.mode, args.smoke)
         return
     results, errors = {}, {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode] + ["--smoke"] * args.smoke + ["--profile"] * args.profile
+        cmd = [sys.executable, __file__, "--mode", mode] + ["--smoke"] * args.smoke
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                errors[mode] = proc.stderr[-3000:]
-            else:
-                results[mode] = json.loads(lines[-1][len("RESULT "):])
+            stdout, failed = proc.stdout, proc.returncode and proc.stderr[-3000:]
         except subprocess.TimeoutExpired as e:
-            errors[mode] = f"timed out after {args.timeout} s; stdout: {(e.stdout or b'')[-2000:]!r}"
-        print(mode, "ok" if mode in results else "FAILED: " + errors[mode][-1500:], flush=True)
+            stdout, failed = (e.stdout or b"").decode(), f"timed out after {args.timeout} s"
+        results[mode] = {k: v for ln in stdout.splitlines() if ln.startswith("PART ")
+                         for k, v in json.loads(ln[len("PART "):]).items()}
+        if failed:
+            errors[mode] = failed
+        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s") if f in v}
+                   for k, v in results[mode].items()}
+        print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)
     payload = {**run_info(), "results": results, "errors": errors}
+    done = {m: r for m, r in results.items() if "decode" in r}
     for truth in ("fp32", "reference"):
-        if truth in results:
-            payload[f"vs_{truth}"] = {m: compare(results[truth], r) for m, r in results.items() if m != truth}
+        if truth in done:
+            payload[f"vs_{truth}"] = {m: compare(done[truth], r) for m, r in done.items() if m != truth}
     print(json.dumps({k: v for k, v in payload.items() if k.startswith("vs_")}, indent=1))
     print("wrote", write(args.name + "_smoke" * args.smoke, payload))
     if errors:
