@@ -36,7 +36,7 @@ def _kernel_fits(q: jnp.ndarray, pools) -> bool:
             and h % 64 == 0 and d % 128 == 0 and d <= 512)
 
 
-@jax.named_scope("mega_attention")  # a label in device profiles
+@jax.named_scope("mega_attention")  # prefixes its ops' names in HLO dumps and XProf
 def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp.ndarray | tuple,
               window_idx: jnp.ndarray, comp_kv: jnp.ndarray | None, comp_idx: jnp.ndarray | None,
               sink: jnp.ndarray, scale: float) -> jnp.ndarray:

@@ -25,7 +25,7 @@ def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -
     return rows.astype(jnp.float32).reshape(hash_ids.shape[0], -1)
 
 
-@jax.named_scope("engram")  # a label in device profiles
+@jax.named_scope("engram")  # prefixes its ops' names in HLO dumps and XProf
 def engram(residual: jnp.ndarray, update: Update | None, hash_ids: jnp.ndarray, p: dict, *,
            eps: float) -> jnp.ndarray:
     """Streams ``[T, hc, D]`` after the pending update and the Engram injection."""

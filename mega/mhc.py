@@ -65,7 +65,7 @@ def collapse(residual: jnp.ndarray, pre: jnp.ndarray) -> jnp.ndarray:
                       precision=HIGHEST).astype(residual.dtype)
 
 
-@jax.named_scope("mega_mhc")  # a label in device profiles
+@jax.named_scope("mega_mhc")  # prefixes its ops' names in HLO dumps and XProf
 def mhc_step(residual: jnp.ndarray, update: Update | None, site: dict | None, prev_pre: jnp.ndarray,
              norm_weight: jnp.ndarray, *, eps: float, hc_eps: float, iters: int
              ) -> tuple[jnp.ndarray, jnp.ndarray, HcMix | None]:

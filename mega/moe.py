@@ -145,7 +145,7 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
     return grouped(h.astype(xs.dtype), w2)
 
 
-@jax.named_scope("mega_moe")  # a label in device profiles
+@jax.named_scope("mega_moe")  # prefixes its ops' names in HLO dumps and XProf
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]

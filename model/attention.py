@@ -52,7 +52,7 @@ def _drop_rows(rows: jnp.ndarray, keep: jnp.ndarray, n_rows: int) -> jnp.ndarray
     return jnp.where(keep, rows, n_rows)  # out of range: dropped by scatter mode="drop"
 
 
-@jax.named_scope("compressor")  # a label in device profiles
+@jax.named_scope("compressor")  # prefixes its ops' names in HLO dumps and XProf
 def compress(x: jnp.ndarray, p: dict, ratio: int, info: StepInfo, tail_kv: jnp.ndarray, tail_gate: jnp.ndarray,
              eps: float) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """``(latent [T, D], completes [T], new tail_kv, new tail_gate)``.
@@ -122,7 +122,7 @@ def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
     return jnp.repeat(keep, bs, axis=1)[:, :n]
 
 
-@jax.named_scope("attention")  # a label in device profiles
+@jax.named_scope("attention")  # prefixes its ops' names in HLO dumps and XProf
 def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, info: StepInfo,
                        state: ModelState, published: Published, forced: jnp.ndarray | None = None
                        ) -> tuple[jnp.ndarray, jnp.ndarray, SourceUpdate | None, Published]:
@@ -184,7 +184,7 @@ def _window(kv: jnp.ndarray, ring, info: StepInfo):
     return (pool, Fp8Ring(*new)) if stored else (pool[0], new[0])
 
 
-@jax.named_scope("indexer")  # a label in device profiles
+@jax.named_scope("indexer")  # prefixes its ops' names in HLO dumps and XProf
 def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -> Published:
     n = state.capacity // ratio
     entries = jnp.arange(n, dtype=jnp.int32)

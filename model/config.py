@@ -135,6 +135,10 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     def __hash__(self) -> int:  # dict fields: hash the canonical JSON (configs are jit static args)
+        return self._json_hash
+
+    @cached_property
+    def _json_hash(self) -> int:  # once per config, not once per jitted call
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def to_dict(self) -> dict[str, Any]:

@@ -238,7 +238,7 @@ class Engine:
         n_hist = self.runner.state.model.engram_hist.shape[1]
         reset = SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
                           np.full((b, n_hist), DEAD, np.int32))
-        ban = np.zeros((s, self.cfg.vocab_size), bool)
+        ban = None  # [S, V] bool, made only when some row bans a token (a 4 MB host copy a step)
         sampled, steps = [], []
         row = 0
         for c in chunks:
@@ -262,8 +262,10 @@ class Engine:
                 k = len(sampled)
                 rows[k], slots[k] = row + c.n - 1, slot
                 banned = min_tokens_banned(req.params, c.start + c.n - len(req.prompt), self.eos_ids)  # by position
-                ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
                 allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
+                if banned or allowed is not None:
+                    ban = np.zeros((s, self.cfg.vocab_size), bool) if ban is None else ban
+                    ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
                 if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
                     ban[k] = ~allowed if (ban[k] | ~allowed).all() else ban[k] | ~allowed
                 sampled.append(req)
@@ -276,6 +278,8 @@ class Engine:
             keep = sum(min(c.n, self.runner.replay_keep) for c in chunks)
             replay = self.buckets.replay_rows(keep) if self.buckets.replay_rows(keep) <= t else None
         samp = SamplingArrays.build([r.params for r in sampled], steps, s, [r.rid for r in sampled])
+        if ban is None:
+            ban = self.runner.no_ban
         inp = StepInput(Batch(tokens, seq_ids, pos), is_prompt, recount, rows, slots, samp, ban, self.page_table.copy(),
                         reset)
         self.stats.steps += 1

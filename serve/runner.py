@@ -171,6 +171,7 @@ class ModelRunner:
         v = cfg.vocab_size
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
+        self.no_ban = jnp.zeros((max_running, v), bool)  # the usual step's ban: on the device once
         self._traces_at_start = TRACES
 
     def _ratios(self) -> list[int]:
@@ -190,12 +191,12 @@ class ModelRunner:
 
     def empty_input(self, tokens: int) -> StepInput:
         """An all-padding input of ``tokens`` rows (warm-up)."""
-        s, b, v = self.max_running, self.max_running, self.cfg.vocab_size
+        s = b = self.max_running
         n_hist = self.state.model.engram_hist.shape[1]
         return StepInput(
             Batch(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), np.zeros(tokens, np.int32)),
             np.zeros(tokens, bool), np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
-            SamplingArrays.build([], [], s), np.zeros((s, v), bool),
+            SamplingArrays.build([], [], s), self.no_ban,
             np.asarray(self.state.model.page_table),
             SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
                       np.zeros((b, n_hist), np.int32)))

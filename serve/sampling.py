@@ -151,7 +151,8 @@ def request_seed(request_id: str) -> int:
 
 
 class SamplingArrays(NamedTuple):
-    """Per-row parameters, each ``[B]``. ``top_k <= 0`` means off; ``temperature < GREEDY_EPS`` means greedy."""
+    """Per-row parameters, each ``[B]`` (numpy from ``build``, arrays inside the jitted step).
+    ``top_k <= 0`` means off; ``temperature < GREEDY_EPS`` means greedy."""
 
     temperature: jax.Array  # f32
     top_p: jax.Array  # f32
@@ -198,8 +199,8 @@ class SamplingArrays(NamedTuple):
         pad = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
                    frequency_penalty=0.0, presence_penalty=0.0, seed=0, step=0)
         dtypes = dict(top_k=np.int32, seed=np.uint32, step=np.int32)
-        return cls(**{k: jnp.asarray(np.array(v + [pad[k]] * (batch_size - n), dtypes.get(k, np.float32)))
-                      for k, v in cols.items()})
+        # numpy: the jitted step takes them in one transfer (jnp.asarray would dispatch once per field)
+        return cls(**{k: np.array(v + [pad[k]] * (batch_size - n), dtypes.get(k, np.float32)) for k, v in cols.items()})
 
 
 def min_tokens_banned(params: SamplingParams, num_generated: int, eos_token_ids: Sequence[int]) -> list[int]:
