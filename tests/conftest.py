@@ -7,15 +7,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# A fresh persistent compilation cache per test session (inherited by the CLI subprocesses):
-# tests never read executables that other runs or other JAX builds left in ~/.cache.
+# A fresh persistent compilation cache per test session, for the CLI subprocesses: tests never
+# read executables that other runs or other JAX builds left in ~/.cache. This process writes
+# none: late in the full suite (RSS ~12 GB after the interpreter tests), serialising an
+# executable for the cache segfaulted inside XLA (JAX 0.10.2, CPU).
 os.environ["MEGAJAX_JAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-jax-cache-")
+jax.config.update("jax_enable_compilation_cache", False)
 
 GOLDEN = ROOT.parent / "shared" / "golden"
 REPORT: dict[str, str] = {}
