@@ -15,9 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # A fresh persistent compilation cache per test session, for the CLI subprocesses: tests never
-# read executables that other runs or other JAX builds left in ~/.cache. This process writes
-# none: late in the full suite (RSS ~12 GB after the interpreter tests), serialising an
-# executable for the cache segfaulted inside XLA (JAX 0.10.2, CPU).
+# read executables that other runs or other JAX builds left in ~/.cache. This long-lived
+# process keeps its executables in memory only (no serialisation work).
 os.environ["MEGAJAX_JAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-jax-cache-")
 jax.config.update("jax_enable_compilation_cache", False)
 

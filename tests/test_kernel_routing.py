@@ -2,10 +2,11 @@
 
 Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
 decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
-MegaAttention kernel accepts, and the MoE runs the grouped kernels (interpreted here). The
-kernels' numerics are tested against their references in ``test_pallas_*``; the attention
-kernel is stood in for by its reference behind a recorder, since interpreted at 64 heads it
-takes minutes per step.
+MegaAttention kernel accepts, and the MoE calls the grouped kernels. The kernels' numerics
+are tested against their references in ``test_pallas_*``; here each kernel is stood in for by
+its reference behind a recorder (interpreted, the attention kernel takes minutes per step at
+64 heads, and engine steps full of interpreter callbacks are better kept out of the suite's
+long-lived process).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import mega.attention
 import mega.moe
 from checkpoints.init import init_params
+from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -41,14 +43,17 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch
         seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
         return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
 
-    def swiglu_kernel(*args, **kw):
+    def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, interpret=None):
         seen["moe"] += 1
-        return grouped_swiglu(*args, **kw)
+        return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared)
 
-    grouped_swiglu = mega.moe.grouped_swiglu
-    monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    def matmul_kernel(h, w2, block_expert, *, cfg, shared=None, interpret=None):
+        return grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared)
+
+    monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")   # the stand-ins below lower nothing for the GPU
     monkeypatch.setattr(mega.attention, "sparse_mqa", attention_kernel)
     monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
+    monkeypatch.setattr(mega.moe, "grouped_matmul", matmul_kernel)
     engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
                                               kv_cache_dtype=kv_cache_dtype))
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
