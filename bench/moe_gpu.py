@@ -61,6 +61,20 @@ FP8_CONFIGS = [
     (GemmConfig(64, 64, 128, 3), GemmConfig(64, 64, 128, 3)),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n")),
 ]
+# decode sizes (up to 256 rows per expert): swapped tiles (``w x^T``), the rows as the wgmma's N,
+# so a CTA of 16 or 32 rows streams weight tiles without 64-row activation tiles beside them
+SWAP_CONFIGS = [
+    (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 128, 64, 6, swap_ab=True)),
+    (GemmConfig(16, 128, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True)),
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
+    (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
+    (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True)),
+]
+FP8_SWAP_CONFIGS = [
+    (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 128, 64, 6, swap_ab=True)),
+    (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True)),
+]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
 # leave 24 of 132 SMs idle, down's 120 leave 12)
@@ -119,6 +133,11 @@ def glu(hh):
                       LIMIT).astype(jnp.bfloat16)
 
 
+def configs_for(counts, configs, swapped):
+    """The block configs timed for these counts: the swapped ones at decode sizes only."""
+    return configs + (swapped if counts.sum() <= 256 * E else [])
+
+
 def impls(xs, w1, w3, w2, counts):
     """name → (kind, callable, args, finish): ``finish`` (untimed) maps the callable's natural
     output layout to rows grouped by expert for the check."""
@@ -127,7 +146,7 @@ def impls(xs, w1, w3, w2, counts):
     cap = int(counts.max())
     grouped = lambda y: y  # noqa: E731
     out = {}
-    for cu, cd in CONFIGS:
+    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS):
         x_al, dest, block_expert = aligned(xs, gs, n, cu.rows)
         name = config_name("megajax", cu, cd)
         up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=cu, interpret=INTERPRET)
@@ -213,7 +232,7 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
     ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches."""
     n = int(counts.sum())
     out = {}
-    for cu, cd in CONFIGS:
+    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS):
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
         fn = jax.jit(lambda x, a, b, c, sa, sb, sc, be, cu=cu, cd=cd: grouped_matmul(
             grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, shared=(sa, sb), interpret=INTERPRET),
@@ -224,7 +243,7 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 
 def config_name(prefix, cu, cd):
-    split = "" if cu.compute_wgs == 1 else f" split {cu.split}"
+    split = ("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 
@@ -232,7 +251,7 @@ def config_name(prefix, cu, cd):
 def fp8_impls(xs, q1, q3, q2, counts):
     n = int(counts.sum())
     out = {}
-    for cu, cd in FP8_CONFIGS:
+    for cu, cd in configs_for(counts, FP8_CONFIGS, FP8_SWAP_CONFIGS):
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
         fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
             grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
@@ -323,13 +342,13 @@ def main():
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
                     "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
-    global E, D, I, INTERPRET, CONFIGS
+    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
     if args.smoke:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
-        CONFIGS = CONFIGS[:1]
+        CONFIGS, SWAP_CONFIGS = CONFIGS[:1], SWAP_CONFIGS[:1]
     if args.from_json:
         import json
         plot(json.load(open(args.from_json)), args.plot)

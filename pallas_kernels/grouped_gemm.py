@@ -56,17 +56,26 @@ class GemmConfig:
     wgmma consumers (warp specialised) that share each step's tiles: ``split="m"`` gives each
     its own ``block_m`` rows of a ``compute_wgs * block_m`` x ``block_n`` tile, ``split="n"``
     its own ``block_n // compute_wgs`` columns of a ``block_m`` x ``block_n`` tile (so each
-    dequantises only its half of an fp8 weight tile: fp8 weights need it)."""
+    dequantises only its half of an fp8 weight tile: fp8 weights need it).
+
+    ``swap_ab`` (decode sizes) computes the tile transposed, ``(w x^T)``: the weight tile is
+    the wgmma's 64-row M operand and the ``block_m`` rows (8 to 256) its N, so a CTA of 16
+    rows neither pads them to 64 nor streams 64-row activation tiles beside the weights."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     compute_wgs: int = 1
     split: str = "m"
+    swap_ab: bool = False
 
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
             raise ValueError(f"split is 'm' or 'n' (then block_n divisible by compute_wgs): {self}")
+        if self.swap_ab and (self.compute_wgs != 1 or self.block_n % 64 or self.block_m % 8
+                             or self.block_m > 256):
+            raise ValueError(f"swap_ab needs one warpgroup, block_n a multiple of 64 and block_m "
+                             f"a multiple of 8 up to 256: {self}")
 
     @property
     def rows(self) -> int:
@@ -146,17 +155,22 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     ws = cfg.compute_wgs > 1
     if quantized and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
+    swap = cfg.swap_ab
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
-    # so interpreted runs read weights pre-transposed to [E, in, out]; the GPU reads HF tiles.
-    kn = interpret is not None
+    # so interpreted runs read the B operand pre-transposed to [in, out]: the weights
+    # ([E, in, out]), or the rows ([K, M]) when swapped; the GPU reads both as they are.
+    kn = interpret is not None and not swap
+    x_km = interpret is not None and swap
     if kn:
         stacks = tuple(tuple(w.swapped() if isinstance(w, QuantizedWeight) else jnp.swapaxes(w, 1, 2)
                              for w in st) for st in stacks)
+    if x_km:
+        lhs = lhs.T
     first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
     steps = k // bk
     tile = (bk, bn) if kn else (bn, bk)
     bc = cfg.cols
-    acc_shapes = [plgpu.ACC((bm, bc))] * n_ops
+    acc_shapes = [plgpu.ACC((bn, rows) if swap else (bm, bc))] * n_ops
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
     # kernel operands per stack: each weight, then the tile scales of its fp8 weights
     flat = []
@@ -198,12 +212,16 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     def in_specs(mi, ni, delay_release):
         w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
                                  delay_release=delay_release)
-        return [plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release)] + [
-            w_spec] * n_ops
+        x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s, mi), delay_release=delay_release)
+                  if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release))
+        return [x_spec] + [w_spec] * n_ops
 
     def mma(accs, x_smem, w_smem):
         for acc, w in zip(accs, w_smem):
-            plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
+            if swap:
+                plgpu.wgmma(acc, w, x_smem if x_km else transposed(x_smem))
+            else:
+                plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
     def store(accs, o_smem, o_gmem):
         o_smem[...] = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
@@ -242,8 +260,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         def _():
             def scope(*accs):
                 per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
-                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
-                    pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]), plgpu.SMEM((bm, bn), lhs.dtype))
+                o_tile, o_gmem = (((bn, rows), out_gmem.at[pl.ds(ni * bn, bn), pl.ds(mi * rows, rows)])
+                                  if swap else
+                                  ((bm, bn), out_gmem.at[pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]))
+                pl.run_scoped(lambda o_smem: store(accs, o_smem, o_gmem), plgpu.SMEM(o_tile, lhs.dtype))
             pl.run_scoped(scope, *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
@@ -301,11 +321,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // rows, n // bn),
+        out_type=jax.ShapeDtypeStruct((n, m) if swap else (m, n), lhs.dtype), grid=(m // rows, n // bn),
         grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *flat)
+    out = kernel(block_expert, lhs, *flat)
+    # swapped: [N, M] here; as a consumer's operand the transpose fuses into its XLA pass
+    return out.T if swap else out
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))

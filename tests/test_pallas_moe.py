@@ -37,8 +37,9 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2),
-                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n")],
-                         ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n"])
+                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n"),
+                                 GemmConfig(16, 64, 64, 2, swap_ab=True)],
+                         ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n", "swap-ab"])
 def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3."""
     e, d, inter, limit = 3, 128, 128, 2.5
@@ -72,8 +73,9 @@ def quantized(key, shape):
     return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n")],
-                         ids=["one-warpgroup", "warp-specialised-split-n"])
+@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n"),
+                                 GemmConfig(24, 128, 64, 2, swap_ab=True)],
+                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab"])
 def test_fp8_block_scaled_weights_match_reference(cfg, rng):
     """fp8 routed and shared experts, dequantised in the kernel (by one warpgroup, or by two,
     each its half of the tile's columns)."""
@@ -146,9 +148,12 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2), False),
     (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), False),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 256, 64, 4, 2, "n"), False),
+    (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True), False),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), False),
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
+    (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True), True),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
@@ -169,7 +174,8 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
         sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"}])
+@pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},
+                                {"swap_ab": True, "compute_wgs": 2}, {"swap_ab": True, "block_m": 12}])
 def test_gemm_config_rejects_a_split_it_cannot_do(kw):
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="split|swap_ab"):
         GemmConfig(**kw)
