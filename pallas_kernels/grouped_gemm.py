@@ -224,7 +224,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
     def store(accs, o_smem, o_gmem):
-        o_smem[...] = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
+        out = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
+        if not swap:
+            o_smem[...] = out
+        elif x_km:  # the interpreter stores no transposed view
+            o_smem[...] = out.T
+        else:       # the [cols, rows] accumulator, stored as rows through a transposed view
+            transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -260,10 +266,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         def _():
             def scope(*accs):
                 per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
-                o_tile, o_gmem = (((bn, rows), out_gmem.at[pl.ds(ni * bn, bn), pl.ds(mi * rows, rows)])
-                                  if swap else
-                                  ((bm, bn), out_gmem.at[pl.ds(mi * rows, bm), pl.ds(ni * bn, bn)]))
-                pl.run_scoped(lambda o_smem: store(accs, o_smem, o_gmem), plgpu.SMEM(o_tile, lhs.dtype))
+                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
+                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)]), plgpu.SMEM((rows, bn), lhs.dtype))
             pl.run_scoped(scope, *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
@@ -321,13 +325,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=jax.ShapeDtypeStruct((n, m) if swap else (m, n), lhs.dtype), grid=(m // rows, n // bn),
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // rows, n // bn),
         grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    out = kernel(block_expert, lhs, *flat)
-    # swapped: [N, M] here; as a consumer's operand the transpose fuses into its XLA pass
-    return out.T if swap else out
+    return kernel(block_expert, lhs, *flat)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
