@@ -60,7 +60,9 @@ class GemmConfig:
 
     ``swap_ab`` (decode sizes) computes the tile transposed, ``(w x^T)``: the weight tile is
     the wgmma's 64-row M operand and the ``block_m`` rows (8 to 256) its N, so a CTA of 16
-    rows neither pads them to 64 nor streams 64-row activation tiles beside the weights."""
+    rows neither pads them to 64 nor streams 64-row activation tiles beside the weights. The
+    ``[block_n, rows]`` accumulator is stored through a transposed shared-memory view, so the
+    output stays ``[M, N]``."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
