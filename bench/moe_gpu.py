@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_common import (ceilings, rel_err, roofline_ms, run_info, time_jax, time_jax_one_dispatch, time_torch,
-                        torch, write)
+from gpu_common import (ceilings, gpu_kernels, rel_err, roofline_ms, run_info, time_jax, time_jax_one_dispatch,
+                        time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
 from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
@@ -45,6 +45,7 @@ from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_ma
 
 E, D, I = 6, 5120, 2304
 INTERPRET = None  # --smoke: tiny shapes through the Mosaic GPU interpreter on CPU
+TRACE = False     # --trace: also each kernel's GPU time, from a profiler trace
 LIMIT = 10.0
 SKEW = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
 CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
@@ -289,7 +290,8 @@ def measure(key, case, variants, ref, rows, roof):
 def one_dispatch(key, variants, rows):
     """The case's best megajax config and the JAX peers again, three calls (distinct rows, the
     same weights) per jitted dispatch: ``ms`` dispatches every call from the host, which can
-    time the host rather than the GPU when a call is this short."""
+    time the host rather than the GPU when a call is this short. With ``--trace`` each also
+    records its kernels' GPU times (``kernels_us``), which no host or launch gap enters."""
     done = [r for r in rows if r["key"] == key and "ms" in r and not r["impl"].startswith("stage:")]
     ours = [r for r in done if r["impl"].startswith("megajax")]
     picked = [min(ours, key=lambda r: r["ms"])] if ours else []
@@ -299,10 +301,13 @@ def one_dispatch(key, variants, rows):
         sets = [(args[0] * (1 + i / 64), *args[1:]) for i in range(3)]
         try:
             row["ms_one_dispatch"] = time_jax_one_dispatch(fn, sets)
+            if TRACE:
+                row["kernels_us"] = gpu_kernels(fn, *args)
         except Exception as e:
             row["one_dispatch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        print(f"{key:>16} {row['impl']:<44} {row.get('ms_one_dispatch', float('nan')):8.3f} ms, one dispatch",
-              flush=True)
+        kernels = " + ".join(f"{us:.1f}" for _, us in row.get("kernels_us", []))
+        print(f"{key:>16} {row['impl']:<44} {row.get('ms_one_dispatch', float('nan')):8.3f} ms, one dispatch"
+              + (f"; kernels {kernels} us" if kernels else ""), flush=True)
 
 
 def summarize(rows, roof):
@@ -360,10 +365,13 @@ def main():
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP block configs")
+    ap.add_argument("--trace", action="store_true", help="also record the GPU time of each kernel of the "
+                    "best megajax config and the JAX peers (profiler trace)")
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
                     "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
-    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS
+    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, TRACE
+    TRACE = args.trace
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
     if args.smoke:

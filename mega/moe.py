@@ -87,16 +87,17 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
 
     From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): below 128 rows per expert the
-    weight stream is the bound and swapped tiles (rows as the wgmma's N) stream it best, 32-row
-    blocks up to 16 rows per expert on average (skewed loads put 2-3x that on some experts) and
-    64-row ones above; from 128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win.
+    weight stream is the bound; up to 16 rows per expert on average, swapped 32-row tiles (rows
+    as the wgmma's N; skewed loads put 2-3x the average on some experts) stream it best, above
+    that one warpgroup per 64-row tile (swapped or not: within the run-to-run spread); from
+    128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win.
     """
     if n_rows >= 128 * n_experts:
         cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)
     elif n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)
     else:
-        cfgs = GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)
+        cfgs = GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)
     fits = all(n % c.block_n == 0 and kk % c.block_k == 0
                for c, n, kk in ((cfgs[0], inter, d), (cfgs[1], d, inter)))
     use = backend.mode() in ("pallas", "interpret") and x.dtype == jnp.bfloat16 and fits
