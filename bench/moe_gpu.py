@@ -6,7 +6,8 @@ intermediate 2304, bf16; gate+up GEMM, clamped SwiGLU, down GEMM, for T rows per
 same function from the same data and is checked against an fp32 per-expert reference.
 
 Implementations: ``megajax`` (block-aligned rows, fused gate/up+SwiGLU kernel then the down
-kernel; best of a few block configs, each recorded), ``xla_einsum`` (dense batched matmul
+kernel; best of a few block configs, each recorded, swapped-tile ones up to 256 rows per
+expert), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
 einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
@@ -22,7 +23,10 @@ as a 7th group: ``megajax_fused_shared`` is the model's layout (routed stacks pl
 expert's own weights, run in the same two launches through ``shared=``), every other impl
 sees 7 stacked experts; the roofline counts the 7 experts' weights.
 
-    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--plot results.png]
+``--trace`` records, for the best megajax config and the JAX peers of each case, every kernel's
+GPU time from a profiler trace (``kernels_us``): where a call's time goes, free of launch gaps.
+
+    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--trace] [--plot results.png]
 """
 from __future__ import annotations
 
