@@ -33,8 +33,9 @@ the gate/up CTAs produce across the N grid; a single persistent kernel would nee
 grid-wide dependency per row block. At decode sizes the cost is one extra launch, at
 prefill sizes ``h`` is ``I/D`` = 45% of the activations, read once.
 
-Grid: one CTA per (row block, column block), row blocks fastest, so CTAs that run together
-share a weight tile in L2 at prefill sizes and cover every weight once at decode sizes.
+Grid: one CTA per (row block, column block), column blocks fastest (Mosaic GPU makes the
+last grid axis CUDA's x), so CTAs that run together share their row block's activation tile
+in L2 and, at decode sizes, cover every weight tile once.
 """
 from __future__ import annotations
 
