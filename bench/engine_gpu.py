@@ -20,6 +20,9 @@ so the timed pass repeats the first one's shapes and work). Checks against ``fp3
 ``reference``: tokens equal up to the first difference, and the log-prob gap over that common
 prefix (its first entry, the prefill's, does not depend on earlier tokens). A child prints
 each result as it comes (``PART`` lines), so a mode cut by its time limit keeps what it did.
+Where a step's time goes: each pass records the engine's host work and device wait per step
+(``Engine.stats``), and a third decode pass runs under the profiler (``decode_traced``: the
+GPU time of its kernels, summed, and the 15 largest by name).
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
@@ -27,6 +30,7 @@ each result as it comes (``PART`` lines), so a mode cut by its time limit keeps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,7 +40,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, run_info, write  # noqa: E402
+from gpu_common import ROOT, run_info, traced_kernels, write  # noqa: E402
 
 MODES = ("reference", "pallas", "pallas_fp8", "fp32")
 
@@ -93,11 +97,30 @@ def run_mode(mode: str, smoke: bool) -> None:
         t0 = time.perf_counter()
         engine.generate(batch, sp, decode_text=False)
         first = time.perf_counter() - t0
+        before = dataclasses.replace(engine.stats)
         t0 = time.perf_counter()
         res = engine.generate(batch, sp, decode_text=False)
         part(name, {"requests": len(batch), "prompt_tokens": sum(map(len, batch)), "new_tokens": new,
                     "first_s": first, "s": time.perf_counter() - t0, "compiled_shapes": engine.runner.compile_count,
+                    **step_split(before, engine.stats),
                     "outputs": [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]})
+    # where a decode step's time goes: the same pass again under the profiler, every kernel's GPU time
+    t0 = time.perf_counter()
+    kernels = traced_kernels(lambda: engine.generate(batch, sp, decode_text=False))
+    by_name = {}
+    for _, kname, us in kernels:
+        by_name[kname] = by_name.get(kname, 0.0) + us
+    part("decode_traced", {"s": time.perf_counter() - t0, "kernels": len(kernels),
+                           "kernel_ms": sum(by_name.values()) / 1e3,
+                           "top_kernels_ms": {k: v / 1e3 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]}})
+
+
+def step_split(before, after) -> dict:
+    """Per step of a pass: the engine's host work (planning, dispatch, output processing) and
+    its wait for the device, from ``Engine.stats``."""
+    steps = after.steps - before.steps
+    return {"steps": steps, "host_ms_per_step": 1e3 * (after.host_s - before.host_s) / steps,
+            "wait_ms_per_step": 1e3 * (after.wait_s - before.wait_s) / steps}
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -134,7 +157,8 @@ def main():
                          for k, v in json.loads(ln[len("PART "):]).items()}
         if failed:
             errors[mode] = failed
-        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s") if f in v}
+        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "host_ms_per_step", "wait_ms_per_step",
+                                                   "kernel_ms") if f in v}
                    for k, v in results[mode].items()}
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)
     payload = {**run_info(), "results": results, "errors": errors}

@@ -85,23 +85,27 @@ def time_jax_one_dispatch(fn, arg_sets, inner: int = 10, reps: int = 5) -> float
     return statistics.median(times)
 
 
-def gpu_kernels(fn, *args, calls: int = 3) -> list[tuple[str, float]]:
-    """``(kernel name, µs)`` of each GPU kernel that one call of ``fn`` runs, in launch order,
-    from a profiler trace of ``calls`` calls (the last one's share); empty off the GPU."""
+def traced_kernels(run) -> list[tuple[float, str, float]]:
+    """``(start µs, kernel name, µs)`` of each GPU kernel that ``run()`` (which must wait for
+    its results) launches, in launch order, from a profiler trace; empty off the GPU."""
     import glob
     import gzip
     import tempfile
-    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
+            run()
         events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e["args"]["name"]}
-    kernels = sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu)
+    return sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu)
+
+
+def gpu_kernels(fn, *args, calls: int = 3) -> list[tuple[str, float]]:
+    """``(kernel name, µs)`` of each GPU kernel that one call of ``fn`` runs, in launch order
+    (the last of ``calls`` traced calls)."""
+    jax.block_until_ready(fn(*args))
+    kernels = traced_kernels(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]))
     return [(name, dur) for _, name, dur in kernels[len(kernels) - len(kernels) // calls:]]
 
 
