@@ -19,9 +19,10 @@ dequantised weights, against their own roofline (half the weight bytes). No peer
 block-scaled fp8 grouped weights on Hopper (GPU_KERNELS.md §5), so those rows have none.
 
 ``--shared 16,256``: those sizes also run with the shared expert, its T rows (one per token)
-as a 7th group: ``megajax_fused_shared`` is the model's layout (routed stacks plus the shared
-expert's own weights, run in the same two launches through ``shared=``), every other impl
-sees 7 stacked experts; the roofline counts the 7 experts' weights.
+as a 7th group: ``megajax_fused_shared`` is the model's form (routed stacks plus the shared
+expert's own weights, run in the same two launches through ``shared=``, and the routing
+weights applied in the gate/up epilogue), every other impl sees 7 stacked experts; the
+roofline counts the 7 experts' weights.
 
 ``--trace`` records, for the best megajax config and the JAX peers of each case, every kernel's
 GPU time from a profiler trace (``kernels_us``): where a call's time goes, free of launch gaps.
@@ -234,16 +235,19 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
 
 
 def fused_shared_impls(xs, w1, w3, w2, counts):
-    """The model's layout: routed stacks [E] plus the shared expert's own weights, passed as
-    ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches."""
+    """The model's form: routed stacks [E] plus the shared expert's own weights, passed as
+    ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches,
+    and each row's routing weight applied in the gate/up epilogue (weights of one here, so the
+    check against the unweighted reference holds)."""
     n = int(counts.sum())
     out = {}
     for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS):
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
-        fn = jax.jit(lambda x, a, b, c, sa, sb, sc, be, cu=cu, cd=cd: grouped_matmul(
-            grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, shared=(sa, sb), interpret=INTERPRET),
+        fn = jax.jit(lambda x, a, b, c, sa, sb, sc, be, rw, cu=cu, cd=cd: grouped_matmul(
+            grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, shared=(sa, sb), row_scale=rw, interpret=INTERPRET),
             c, be, cfg=cd, shared=sc, interpret=INTERPRET))
-        args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert)   # (sliced once, untimed)
+        args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert,
+                jnp.ones(x_al.shape[0], jnp.float32))   # (sliced once, untimed)
         out[config_name("megajax_fused_shared", cu, cd)] = ("jax", fn, args, lambda y, dest=dest: y[dest])
     return out
 

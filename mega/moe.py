@@ -110,8 +110,8 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
 
     The aligned kernel input is gathered from ``x`` in one pass (each aligned row knows its
     token, padding rows none), so the dispatched rows are written once. ``row_w`` scales each
-    row's SwiGLU activation before the down projection (§3.9), one fused elementwise pass
-    between the two launches. With ``fuse_shared`` every token also runs the shared expert in
+    row's SwiGLU activation before the down projection (§3.9), in the gate/up kernel's
+    epilogue: nothing runs between the two launches. With ``fuse_shared`` every token also runs the shared expert in
     the same two launches, as expert id E (weight 1): its weight tiles stream in the same wave
     as the routed ones (at decode sizes its CTAs take SMs the routed grid leaves idle).
     Returns the block-aligned output rows and the aligned row of each grouped row (routed
@@ -130,12 +130,11 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
                                                n_experts + (shared is not None))
     src = jnp.full((m_pad,), -1, tokens.dtype).at[dest].set(tokens)   # aligned row → token
     x_al = jnp.where(src[:, None] >= 0, x[jnp.maximum(src, 0)], 0).astype(x.dtype)
-    w_al = jnp.zeros((m_pad, 1), jnp.float32).at[dest, 0].set(row_w)
+    w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
-    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg,
+    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp)
-    h = (h.astype(jnp.float32) * w_al).astype(x.dtype)
     return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 

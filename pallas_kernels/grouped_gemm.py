@@ -142,10 +142,11 @@ def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
     return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
 
 
-def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret):
+def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None):
     """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]`` (bf16, or fp8 as
     ``QuantizedWeight``); expert ids number the stacks' experts consecutively (the routed
-    stack, then e.g. the shared expert as one more)."""
+    stack, then e.g. the shared expert as one more). ``row_scale [M]`` (fp32) multiplies each
+    output row in the epilogue, before the rounding to the output dtype."""
     m, k = lhs.shape
     n = stacks[0][0].shape[1]
     n_ops = len(stacks[0])
@@ -226,8 +227,14 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def store(accs, o_smem, o_gmem):
-        out = epilogue(*(a[...] for a in accs)).astype(o_smem.dtype)
+    def store(accs, o_smem, o_gmem, s_smem=None):
+        out = epilogue(*(a[...] for a in accs))
+        if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
+            sc = s_smem[...]
+            if interpret is None:  # a vector of the accumulator layout's rows (columns)
+                sc = plgpu.layout_cast(sc, plgpu.Layout.WGMMA.reduce(0 if swap else 1))
+            out = out * jax.lax.broadcast_in_dim(sc, out.shape, [1 if swap else 0])
+        out = out.astype(o_smem.dtype)
         if not swap:
             o_smem[...] = out
         elif x_km:  # the interpreter stores no transposed view
@@ -238,8 +245,14 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def load_row_scales(scale_gmem, first_row, s_smem, barrier):
+        plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(first_row, s_smem.shape[0])], s_smem, barrier)
+        plgpu.barrier_wait(barrier)
+
+    scaled = row_scale is not None
+
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
-        w_gmem, out_gmem = refs[:-1], refs[-1]
+        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
         mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
         expert = block_expert_gmem[mi]
 
@@ -269,12 +282,17 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         def _():
             def scope(*accs):
                 per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
-                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
-                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)]), plgpu.SMEM((rows, bn), lhs.dtype))
+
+                def out_scope(o_smem, s_smem=None, barrier=None):
+                    if scaled:
+                        load_row_scales(scale_gmem, mi * rows, s_smem, barrier)
+                    store(accs, o_smem, out_gmem.at[pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem)
+                pl.run_scoped(out_scope, plgpu.SMEM((rows, bn), lhs.dtype),
+                              *((plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(num_arrivals=1)) if scaled else ()))
             pl.run_scoped(scope, *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
-        w_gmem, out_gmem = refs[:-1], refs[-1]
+        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
         mi, ni, wg = (jax.lax.axis_index(a) for a in ("m", "n", "wg"))
         expert = block_expert_gmem[mi]
 
@@ -300,8 +318,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                 plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
                                            jnp.bfloat16),
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max)) if n_q_max else None,
+                           row_scales=(plgpu.SMEM((cfg.compute_wgs, bm), jnp.float32),
+                                       plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
                            collective_axes="wg")
-        def _(allocs, o_smem, fp8):
+        def _(allocs, o_smem, fp8, row_scales):
             def run(w, scales):
                 def step(idx, x_smem, *rest):
                     *w_smem, accs = rest
@@ -315,11 +335,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 def context(body):
                     if scales:
                         load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
+                    s_smem = None
+                    if scaled:
+                        s_smem = row_scales[0].at[wg]
+                        load_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
 
                     def scope(*accs):
                         body(accs)
                         store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
-                                                                pl.ds(ni * bn + my_cols, bc)])
+                                                                pl.ds(ni * bn + my_cols, bc)], s_smem)
                     pl.run_scoped(scope, *acc_shapes)
 
                 pipeline(step, context)(lhs_gmem, *w, allocations=allocs)
@@ -332,13 +356,16 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *flat)
+    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()), *flat)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
-def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None,
+def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None, row_scale=None,
                    cfg: GemmConfig = GemmConfig(), interpret=None):
-    """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ)`` with ``e = block_expert[r // cfg.rows]``.
+    """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ) · row_scale[r]`` with
+    ``e = block_expert[r // cfg.rows]``: the routing weight multiplies the fp32 activation in
+    the epilogue, before its one rounding, as §3.9 orders it (no pass over ``h`` between the
+    two launches).
 
     x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight``
     (fp8: one compute warpgroup or ``split="n"``); ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
@@ -346,7 +373,7 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None,
     """
     stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared)),))
     return _grouped_kernel(x, stacks, block_expert,
-                           lambda g, u: swiglu_f32(g, u, limit), cfg, interpret)
+                           lambda g, u: swiglu_f32(g, u, limit), cfg, interpret, row_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -365,13 +392,14 @@ def _per_row_weights(w, block_expert, rows, shared):
     return w[jnp.maximum(jnp.repeat(block_expert, rows), 0)]
 
 
-def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, rows: int, shared=None):
+def grouped_swiglu_reference(x, w1, w3, block_expert, *, limit: float, rows: int, shared=None, row_scale=None):
     w1r, w3r = (_per_row_weights(w, block_expert, rows, sw)
                 for w, sw in zip((w1, w3), shared or (None, None)))
     f32 = jnp.float32
     gate = jnp.einsum("md,mid->mi", x.astype(f32), w1r.astype(f32))
     up = jnp.einsum("md,mid->mi", x.astype(f32), w3r.astype(f32))
-    return swiglu_f32(gate, up, limit).astype(x.dtype)
+    h = swiglu_f32(gate, up, limit)
+    return (h if row_scale is None else h * row_scale[:, None].astype(f32)).astype(x.dtype)
 
 
 def grouped_matmul_reference(h, w2, block_expert, *, rows: int, shared=None):

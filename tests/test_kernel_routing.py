@@ -43,9 +43,10 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch
         seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
         return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
 
-    def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, interpret=None):
+    def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None):
         seen["moe"] += 1
-        return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared)
+        return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
+                                        row_scale=row_scale)
 
     def matmul_kernel(h, w2, block_expert, *, cfg, shared=None, interpret=None):
         return grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared)

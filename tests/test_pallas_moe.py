@@ -41,7 +41,8 @@ def rel(a, b):
                                  GemmConfig(16, 64, 64, 2, swap_ab=True)],
                          ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n", "swap-ab"])
 def test_grouped_kernels_match_reference(cfg, rng):
-    """Three routed experts (one empty) plus the shared expert as expert id 3."""
+    """Three routed experts (one empty) plus the shared expert as expert id 3; the gate/up
+    kernel scales each row by its routing weight in the epilogue."""
     e, d, inter, limit = 3, 128, 128, 2.5
     sizes = jnp.asarray([rng.integers(1, 2 * cfg.rows), 0, rng.integers(1, cfg.rows),
                          rng.integers(1, cfg.rows)], jnp.int32)
@@ -55,12 +56,13 @@ def test_grouped_kernels_match_reference(cfg, rng):
     shared_up = tuple(jax.random.normal(k, (inter, d), jnp.bfloat16) * d ** -0.5 for k in keys[4:6])
     shared_down = jax.random.normal(keys[6], (d, inter), jnp.bfloat16) * inter ** -0.5
     assert (np.asarray(block_expert) == -1).any()  # an unused block is skipped
+    row_w = jnp.asarray(rng.uniform(0.1, 2.0, m_pad), jnp.float32)
 
-    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, cfg=cfg,
+    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                        interpret=INTERPRET)
     out = grouped_matmul(h, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
     h_ref = grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows,
-                                     shared=shared_up)
+                                     shared=shared_up, row_scale=row_w)
     out_ref = grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared_down)
     rows = np.asarray(dest)
     for got, want in ((h, h_ref), (out, out_ref)):
@@ -167,8 +169,8 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
         return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
                                sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
     be = sds((m // up.rows,), jnp.int32)
-    jax.jit(lambda x, a, b, i: grouped_swiglu(x, a, b, i, limit=10.0, cfg=up)).trace(
-        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be
+    jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
+        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
         sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
