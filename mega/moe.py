@@ -12,9 +12,10 @@ weight multiplies the SwiGLU activation before the down projection (it matters o
 rounded or requantised between the GEMMs), so the combine is a plain sum.
 
 On GPU (``mega.backend``) the expert stage runs the Pallas grouped kernels of
-``pallas_kernels.grouped_gemm`` over block-aligned rows; routing, the sort and the combine
-are XLA fusions around them (small next to the weight stream at decode sizes, and one
-read of the rows at prefill sizes).
+``pallas_kernels.grouped_gemm`` over block-aligned rows (the routing weights applied in the
+gate/up kernel's epilogue, the shared expert riding in the same two launches); routing, the
+sort and the combine are XLA fusions around them (small next to the weight stream at decode
+sizes, and one read of the rows at prefill sizes).
 """
 from __future__ import annotations
 

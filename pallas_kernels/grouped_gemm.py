@@ -4,8 +4,9 @@ Two kernels share one body:
 
 * ``grouped_swiglu(x, w1, w3)``: the gate and up projections of each expert and the
   clamped SwiGLU, fused. Each CTA streams the matching gate and up weight tiles through one
-  TMA pipeline into two wgmma accumulators and applies the SwiGLU on the registers, so the
-  ``[rows, 2I]`` fp32 pre-activation never reaches HBM: only the bf16 ``h`` does.
+  TMA pipeline into two wgmma accumulators and applies the SwiGLU (and each row's routing
+  weight, ``row_scale``) on the registers, so the ``[rows, 2I]`` fp32 pre-activation never
+  reaches HBM: only the bf16 ``h`` does, ready for the down projection.
 * ``grouped_matmul(h, w2)``: the down projection.
 
 Layout: rows arrive grouped by expert and **block-aligned** (every expert's rows start at a
