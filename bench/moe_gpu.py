@@ -78,9 +78,11 @@ SWAP_CONFIGS = [
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True)),
 ]
-FP8_SWAP_CONFIGS = [
+FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from registers (A operand)
     (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 128, 64, 6, swap_ab=True)),
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True)),
+    (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
+    (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs

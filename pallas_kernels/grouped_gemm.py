@@ -27,7 +27,9 @@ loaded once) before the wgmma. With one compute warpgroup that pass runs in seri
 wgmma; warp specialised, the two compute warpgroups split the tile's columns
 (``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
 warpgroup streams the next (measured no faster than one warpgroup on the H200:
-bench/RESULTS.md).
+bench/RESULTS.md). With swapped tiles (``swap_ab``) the weight is the wgmma's A operand, which
+Hopper reads from registers: the converted tile goes from registers straight into the wgmma,
+with no bf16 copy through shared memory and no fence.
 
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a
@@ -166,6 +168,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     # ([E, in, out]), or the rows ([K, M]) when swapped; the GPU reads both as they are.
     kn = interpret is not None and not swap
     x_km = interpret is not None and swap
+    a_in_registers = swap and interpret is None  # dequantised fp8 weight tiles as wgmma's A
     if kn:
         stacks = tuple(tuple(w.swapped() if isinstance(w, QuantizedWeight) else jnp.swapaxes(w, 1, 2)
                              for w in st) for st in stacks)
@@ -202,16 +205,23 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     def dequantized(w_tiles, w, s_smem, wb_smem, step):
         """The step's weight tiles for the wgmma: bf16 tiles as they are, fp8 tiles times their
-        block scale through registers into ``wb_smem`` (Hopper's wgmma has no fp8 x bf16)."""
+        block scale through registers (Hopper's wgmma has no fp8 x bf16). Swapped, the weight
+        is the wgmma's A operand, which it reads from those registers (on the GPU: the 0.10
+        interpreter takes no register operand); else they are stored into ``wb_smem``."""
         tiles, j = [], 0
         for wt, wq in zip(w_tiles, w):
             if wq.dtype == jnp.bfloat16:
                 tiles.append(wt)
                 continue
-            wb_smem[j] = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
-            tiles.append(wb_smem.at[j])
+            tile_bf16 = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
+            if a_in_registers:
+                tiles.append(tile_bf16)
+            else:
+                wb_smem[j] = tile_bf16
+                tiles.append(wb_smem.at[j])
             j += 1
-        plgpu.commit_smem()
+        if not a_in_registers:
+            plgpu.commit_smem()
         return tiles
 
     def in_specs(mi, ni, delay_release):
@@ -264,7 +274,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                     )(lhs_gmem, *w)
                 return
 
-            def dequant(s_smem, wb_smem, barrier):
+            def dequant(s_smem, barrier, wb_smem=None):
                 load_scales(scales, s_smem, barrier, ni)
 
                 def step(idx, x, *w_smem):
@@ -276,8 +286,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
             pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),
-                          plgpu.SMEM((n_q, *tile), jnp.bfloat16),
-                          plgpu.Barrier(num_arrivals=1, num_barriers=n_q))
+                          plgpu.Barrier(num_arrivals=1, num_barriers=n_q),
+                          *(() if a_in_registers else (plgpu.SMEM((n_q, *tile), jnp.bfloat16),)))
 
         @pl.when(expert >= 0)
         def _():
