@@ -239,18 +239,20 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
 def fused_shared_impls(xs, w1, w3, w2, counts):
     """The model's form: routed stacks [E] plus the shared expert's own weights, passed as
     ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches,
-    and each row's routing weight applied in the gate/up epilogue (weights of one here, so the
-    check against the unweighted reference holds)."""
+    and each row's routing weight applied in the gate/up epilogue. The weights are powers of
+    two, which commute exactly with the roundings, so dividing the output rows by them gives
+    what the unweighted reference checks (a weight applied to the wrong row does not)."""
     n = int(counts.sum())
     out = {}
     for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS):
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
+        rw = 2.0 ** jax.random.randint(jax.random.key(cu.rows), (x_al.shape[0],), -2, 3).astype(jnp.float32)
         fn = jax.jit(lambda x, a, b, c, sa, sb, sc, be, rw, cu=cu, cd=cd: grouped_matmul(
             grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, shared=(sa, sb), row_scale=rw, interpret=INTERPRET),
             c, be, cfg=cd, shared=sc, interpret=INTERPRET))
-        args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert,
-                jnp.ones(x_al.shape[0], jnp.float32))   # (sliced once, untimed)
-        out[config_name("megajax_fused_shared", cu, cd)] = ("jax", fn, args, lambda y, dest=dest: y[dest])
+        args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert, rw)   # (sliced once, untimed)
+        out[config_name("megajax_fused_shared", cu, cd)] = (
+            "jax", fn, args, lambda y, dest=dest, rw=rw: y[dest].astype(jnp.float32) / rw[dest][:, None])
     return out
 
 
