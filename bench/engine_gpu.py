@@ -20,9 +20,9 @@ so the timed pass repeats the first one's shapes and work). Checks against ``fp3
 ``reference``: tokens equal up to the first difference, and the log-prob gap over that common
 prefix (its first entry, the prefill's, does not depend on earlier tokens). A child prints
 each result as it comes (``PART`` lines), so a mode cut by its time limit keeps what it did.
-Where a step's time goes: each pass records the engine's host work and device wait per step
-(``Engine.stats``), and a third decode pass runs under the profiler (``decode_traced``: the
-GPU time of its kernels, summed, and the 15 largest by name).
+Where a decode step's time goes (``decode_step``): each pass also runs once under the profiler,
+and the decode pass less the prefill pass gives per decode step the engine's host work and
+device wait (``Engine.stats``) and its kernels' GPU time (summed, and the 15 largest by name).
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
@@ -92,6 +92,7 @@ def run_mode(mode: str, smoke: bool) -> None:
     part("setup", {"kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend(),
                    "init_s": time.perf_counter() - t0})
     batch = prompts(smoke)
+    passes = {}
     for name, new in (("prefill", 1), ("decode", 16)):
         sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, "logprobs": True}
         t0 = time.perf_counter()
@@ -100,27 +101,35 @@ def run_mode(mode: str, smoke: bool) -> None:
         before = dataclasses.replace(engine.stats)
         t0 = time.perf_counter()
         res = engine.generate(batch, sp, decode_text=False)
+        wall = time.perf_counter() - t0
+        after = dataclasses.replace(engine.stats)
+        # the same pass again under the profiler: every kernel's GPU time
+        passes[name] = pass_totals(before, after, traced_kernels(lambda: engine.generate(batch, sp, decode_text=False)))
         part(name, {"requests": len(batch), "prompt_tokens": sum(map(len, batch)), "new_tokens": new,
-                    "first_s": first, "s": time.perf_counter() - t0, "compiled_shapes": engine.runner.compile_count,
-                    **step_split(before, engine.stats),
+                    "first_s": first, "s": wall, "compiled_shapes": engine.runner.compile_count,
+                    "steps": passes[name]["steps"],
                     "outputs": [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]})
-    # where a decode step's time goes: the same pass again under the profiler, every kernel's GPU time
-    t0 = time.perf_counter()
-    kernels = traced_kernels(lambda: engine.generate(batch, sp, decode_text=False))
+    part("decode_step", decode_step(passes["prefill"], passes["decode"]))
+
+
+def pass_totals(before, after, kernels) -> dict:
+    """A pass's steps, the engine's host work (planning, dispatch, output processing) and wait
+    for the device (``Engine.stats``), and its kernels' GPU seconds by kernel name."""
     by_name = {}
-    for _, kname, us in kernels:
-        by_name[kname] = by_name.get(kname, 0.0) + us
-    part("decode_traced", {"s": time.perf_counter() - t0, "kernels": len(kernels),
-                           "kernel_ms": sum(by_name.values()) / 1e3,
-                           "top_kernels_ms": {k: v / 1e3 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]}})
+    for _, name, us in kernels:
+        by_name[name] = by_name.get(name, 0.0) + us / 1e6
+    return {"steps": after.steps - before.steps, "host_s": after.host_s - before.host_s,
+            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name}
 
 
-def step_split(before, after) -> dict:
-    """Per step of a pass: the engine's host work (planning, dispatch, output processing) and
-    its wait for the device, from ``Engine.stats``."""
-    steps = after.steps - before.steps
-    return {"steps": steps, "host_ms_per_step": 1e3 * (after.host_s - before.host_s) / steps,
-            "wait_ms_per_step": 1e3 * (after.wait_s - before.wait_s) / steps}
+def decode_step(prefill: dict, decode: dict) -> dict:
+    """Where one decode step's time goes: the decode pass (the prefill step, then 15 decode
+    steps) less the prefill pass, per decode step."""
+    n = max(decode["steps"] - prefill["steps"], 1)
+    kernels = {k: (v - prefill["kernel_s"].get(k, 0.0)) / n * 1e3 for k, v in decode["kernel_s"].items()}
+    return {"steps": n, "host_ms": (decode["host_s"] - prefill["host_s"]) / n * 1e3,
+            "wait_ms": (decode["wait_s"] - prefill["wait_s"]) / n * 1e3, "kernel_ms": sum(kernels.values()),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15])}
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -157,8 +166,8 @@ def main():
                          for k, v in json.loads(ln[len("PART "):]).items()}
         if failed:
             errors[mode] = failed
-        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "host_ms_per_step", "wait_ms_per_step",
-                                                   "kernel_ms") if f in v}
+        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "host_ms", "wait_ms", "kernel_ms")
+                       if f in v}
                    for k, v in results[mode].items()}
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)
     payload = {**run_info(), "results": results, "errors": errors}

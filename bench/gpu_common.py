@@ -92,7 +92,7 @@ def traced_kernels(run) -> list[tuple[float, str, float]]:
     import gzip
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
+        with jax.profiler.trace(d, create_perfetto_trace=True):  # (the form run on the GPU)
             run()
         events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -106,6 +106,8 @@ def gpu_kernels(fn, *args, calls: int = 3) -> list[tuple[str, float]]:
     (the last of ``calls`` traced calls)."""
     jax.block_until_ready(fn(*args))
     kernels = traced_kernels(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]))
+    if len(kernels) % calls:
+        raise ValueError(f"{len(kernels)} kernels in {calls} calls: not one set per call")
     return [(name, dur) for _, name, dur in kernels[len(kernels) - len(kernels) // calls:]]
 
 

@@ -158,6 +158,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({rows}, {bn}, {bk})")
     if block_expert.shape != (m // rows,):
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
+    if row_scale is not None and row_scale.shape != (m,):
+        raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
     quantized = any(isinstance(w, QuantizedWeight) for st in stacks for w in st)
     ws = cfg.compute_wgs > 1
     if quantized and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
@@ -256,9 +258,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def load_row_scales(scale_gmem, first_row, s_smem, barrier):
+    def fetch_row_scales(scale_gmem, first_row, s_smem, barrier):
         plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(first_row, s_smem.shape[0])], s_smem, barrier)
-        plgpu.barrier_wait(barrier)
 
     scaled = row_scale is not None
 
@@ -268,17 +269,21 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         expert = block_expert_gmem[mi]
 
         def run(accs, w, scales):
-            if not scales:  # bf16: delay_release=1 refills a slot after the next wgmma issues
-                plgpu.emit_pipeline(lambda _, x, *w_smem: mma(accs, x, w_smem), grid=(steps,),
-                                    in_specs=in_specs(mi, ni, 1), max_concurrent_steps=cfg.stages,
-                                    )(lhs_gmem, *w)
+            if not scales:
+                def step(_, x, *w_smem):
+                    mma(accs, x, w_smem)
+                    # delay_release=1 refills the last step's slots when this step returns:
+                    # its wgmma must have read them (this one stays in flight)
+                    plgpu.wgmma_wait(1)
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
+                                    max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
                 return
 
             def dequant(s_smem, barrier, wb_smem=None):
                 load_scales(scales, s_smem, barrier, ni)
 
                 def step(idx, x, *w_smem):
-                    plgpu.wgmma_wait(0)  # the last step's wgmma has read the bf16 tiles
+                    plgpu.wgmma_wait(0)  # the last step's wgmma has read its operands
                     mma(accs, x, dequantized(w_smem, w, s_smem, wb_smem, idx[0]))
                 # delay_release=1 here too: step s's wgmma reads its x slot asynchronously
                 # until step s+1's wgmma_wait, so the slot may only be refilled after that
@@ -291,16 +296,23 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
         @pl.when(expert >= 0)
         def _():
-            def scope(*accs):
+            def scope(accs, s_smem=None, barrier=None):
+                # the row scales land while the main loop runs, in a buffer of their own (the
+                # epilogue's o_smem reuses the pipeline's, which the last wgmma may still read)
+                if scaled:
+                    fetch_row_scales(scale_gmem, mi * rows, s_smem, barrier)
                 per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
+                if scaled:
+                    plgpu.barrier_wait(barrier)
+                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
+                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem), plgpu.SMEM((rows, bn), lhs.dtype))
 
-                def out_scope(o_smem, s_smem=None, barrier=None):
-                    if scaled:
-                        load_row_scales(scale_gmem, mi * rows, s_smem, barrier)
-                    store(accs, o_smem, out_gmem.at[pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem)
-                pl.run_scoped(out_scope, plgpu.SMEM((rows, bn), lhs.dtype),
-                              *((plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(num_arrivals=1)) if scaled else ()))
-            pl.run_scoped(scope, *acc_shapes)
+            if scaled:  # (register and shared-memory allocations take separate scopes)
+                pl.run_scoped(lambda s_smem, barrier: pl.run_scoped(
+                    lambda *accs: scope(accs, s_smem, barrier), *acc_shapes),
+                    plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(num_arrivals=1))
+            else:
+                pl.run_scoped(lambda *accs: scope(accs), *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
@@ -349,7 +361,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     s_smem = None
                     if scaled:
                         s_smem = row_scales[0].at[wg]
-                        load_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
+                        fetch_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
+                        plgpu.barrier_wait(row_scales[1].at[wg])
 
                     def scope(*accs):
                         body(accs)
