@@ -112,9 +112,10 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     The aligned kernel input is gathered from ``x`` in one pass (each aligned row knows its
     token, padding rows none), so the dispatched rows are written once. ``row_w`` scales each
     row's SwiGLU activation before the down projection (§3.9), in the gate/up kernel's
-    epilogue: nothing runs between the two launches. With ``fuse_shared`` every token also runs the shared expert in
-    the same two launches, as expert id E (weight 1): its weight tiles stream in the same wave
-    as the routed ones (at decode sizes its CTAs take SMs the routed grid leaves idle).
+    epilogue: nothing runs between the two launches. With ``fuse_shared`` every token also
+    runs the shared expert in the same two launches, as expert id E (weight 1): its weight
+    tiles stream in the same wave as the routed ones (at decode sizes its CTAs take SMs the
+    routed grid leaves idle).
     Returns the block-aligned output rows and the aligned row of each grouped row (routed
     rows, then shared rows), so the combine gathers each row only once.
     """
