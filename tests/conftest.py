@@ -28,13 +28,16 @@ GOLDEN = ROOT.parent / "shared" / "golden"
 def _free_compiled_programs():
     """Drop each module's compiled programs (and the Mosaic GPU interpreter's state) when it
     ends: run whole in one process, the suite grew to ~11 GB and then aborted inside an XLA
-    compile late in the run (every module passes alone), on this 24 GB machine without swap."""
+    compile late in the run (every module passes alone), on a 24 GB machine without swap;
+    the two test workers each run many modules."""
     yield
     jax.clear_caches()
     interp = sys.modules.get("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     if interp is not None:
         interp.reset_gpu_interpret_mode_state()
     gc.collect()
+
+
 REPORT: dict[str, str] = {}
 
 
