@@ -26,7 +26,9 @@ instead of 2*D.
 Timing: ``ms`` by ``gpu_common.time_jax_sets`` (back-to-back calls, one wait, median of 5),
 rotating among input sets so that repeats do not run from L2; ``ms_one_dispatch`` by
 ``time_jax_one_dispatch`` (all input sets in one jitted call), which small cases need: there
-one host dispatch per call takes longer than the GPU work.
+one host dispatch per call takes longer than the GPU work; ``gpu_span_ms`` and ``gpu_busy_ms``
+(``gpu_common.gpu_timeline``) from a profiler trace of back-to-back calls: the GPU's first
+kernel start to last kernel end per call, and its summed kernel time per call.
 
     PYTHONUNBUFFERED=1 python3 bench/attention_gpu.py           # on the H200, ~3-4 minutes
     python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
@@ -48,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import (ceilings, rel_err, run_info, time_jax_one_dispatch, time_jax_sets,  # noqa: E402
-                        write)
+from gpu_common import (ceilings, gpu_timeline, rel_err, run_info, time_jax_one_dispatch,  # noqa: E402
+                        time_jax_sets, write)
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
     STAGES, Fp8Pool, auto_splits, sparse_mqa, sparse_mqa_reference)
@@ -208,6 +210,9 @@ def run(args):
                 timing = {"inner": 2, "reps": 1} if smoke else {}
                 row["ms"] = time_jax_sets(fn, fn_sets, **timing)
                 row["ms_one_dispatch"] = time_jax_one_dispatch(fn, fn_sets, **timing)
+                calls = max(3, len(fn_sets))  # GPU time per call, free of host dispatch gaps
+                row.update(gpu_timeline(lambda: jax.block_until_ready(
+                    [fn(*fn_sets[i % len(fn_sets)]) for i in range(calls)]), calls))
                 row["bytes"] = case["bytes_fp8"] if fp8 else case["bytes"]
                 row["roofline_ms"] = (roof8 if fp8 else roof)[key]
                 row["GBps"] = row["bytes"] / row["ms"] / 1e6

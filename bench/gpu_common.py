@@ -67,13 +67,18 @@ def time_jax_sets(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def batched(fn):
+    """One jitted dispatch running ``fn`` on each of a list of argument sets, back to back."""
+    return jax.jit(lambda sets: [fn(*args) for args in sets])
+
+
 def time_jax_one_dispatch(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
     """Median milliseconds per call with every input set run by one jitted call, back to back.
 
     ``time_jax_sets`` dispatches each call from the host, so a call shorter than one dispatch
     (~0.05 ms) is timed by the host, not the GPU; here one dispatch carries ``len(arg_sets)``
     calls (distinct inputs, so XLA cannot merge them)."""
-    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    many = batched(fn)
     jax.block_until_ready(many(arg_sets))
     times = []
     for _ in range(reps):
@@ -99,6 +104,20 @@ def traced_kernels(run) -> list[tuple[float, str, float]]:
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e["args"]["name"]}
     return sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu)
+
+
+def gpu_timeline(run, calls: int) -> dict:
+    """GPU time per call of ``run()`` (which makes ``calls`` calls and waits for them), from a
+    profiler trace: ``gpu_span_ms``, the first kernel's start to the last one's end (like CUDA
+    events around the calls, ``time_torch``: an idle GPU waiting for the host counts), and
+    ``gpu_busy_ms``, the kernels' summed time (what a call costs inside a larger step, with
+    nothing waiting for the host between calls)."""
+    run()
+    kernels = traced_kernels(run)
+    if not kernels:
+        return {}
+    span = max(t + d for t, _, d in kernels) - kernels[0][0]
+    return {"gpu_span_ms": span / calls / 1e3, "gpu_busy_ms": sum(d for *_, d in kernels) / calls / 1e3}
 
 
 def gpu_kernels(fn, *args, calls: int = 3) -> list[tuple[str, float]]:

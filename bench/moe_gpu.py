@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_common import (ceilings, gpu_kernels, rel_err, roofline_ms, run_info, time_jax, time_jax_one_dispatch,
+from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, roofline_ms, run_info, time_jax, time_jax_one_dispatch,
                         time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
@@ -83,6 +83,13 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True)),
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
+]
+# compute-bound sizes (from 128 rows per expert): columns per CTA chosen so that the CTA count
+# fills whole waves of the 132 SMs (128 x 128 tiles give 1.64 waves of gate/up CTAs at T256)
+WAVE_CONFIGS = [
+    (GemmConfig(64, 72, 64, 4, 2), GemmConfig(64, 80, 64, 4, 2)),    # T256: 2.9 and 5.8 waves
+    (GemmConfig(64, 96, 64, 4, 2), GemmConfig(64, 160, 64, 3, 2)),   # T1024: 8.7 and 11.6 waves
+    (GemmConfig(64, 144, 64, 3, 2), GemmConfig(64, 160, 64, 4, 2)),  # T1024: 5.8; T4096: 23.3
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -142,9 +149,12 @@ def glu(hh):
                       LIMIT).astype(jnp.bfloat16)
 
 
-def configs_for(counts, configs, swapped):
-    """The block configs timed for these counts: the swapped ones at decode sizes only."""
-    return configs + (swapped if counts.sum() <= 256 * len(counts) else [])
+def configs_for(counts, configs, swapped, wave=()):
+    """The block configs timed for these counts: the swapped ones at decode sizes only, the
+    wave-filling ones from 128 rows per expert."""
+    pairs = (configs + (swapped if counts.sum() <= 256 * len(counts) else [])
+             + (list(wave) if counts.sum() >= 128 * len(counts) else []))
+    return [(cu, cd) for cu, cd in pairs if I % cu.block_n == 0 and D % cd.block_n == 0]  # (--smoke)
 
 
 def impls(xs, w1, w3, w2, counts):
@@ -155,7 +165,7 @@ def impls(xs, w1, w3, w2, counts):
     cap = int(counts.max())
     grouped = lambda y: y  # noqa: E731
     out = {}
-    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS):
+    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS, WAVE_CONFIGS):
         x_al, dest, block_expert = aligned(xs, gs, n, cu.rows)
         name = config_name("megajax", cu, cd)
         up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=cu, interpret=INTERPRET)
@@ -315,11 +325,17 @@ def one_dispatch(key, variants, rows):
             row["ms_one_dispatch"] = time_jax_one_dispatch(fn, sets)
             if TRACE:
                 row["kernels_us"] = gpu_kernels(fn, *args)
+                many = batched(fn)
+                row["timeline"] = {  # nine calls: host-dispatched one by one, or three per dispatch
+                    "each": gpu_timeline(lambda: jax.block_until_ready([fn(*sets[i % 3]) for i in range(9)]), 9),
+                    "one_dispatch": gpu_timeline(lambda: jax.block_until_ready([many(sets) for _ in range(3)]), 9)}
         except Exception as e:
             row["one_dispatch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         kernels = " + ".join(f"{us:.1f}" for _, us in row.get("kernels_us", []))
+        spans = "; ".join(f"GPU {k}: span {v.get('gpu_span_ms', 0):.3f} busy {v.get('gpu_busy_ms', 0):.3f}"
+                          for k, v in row.get("timeline", {}).items())
         print(f"{key:>16} {row['impl']:<44} {row.get('ms_one_dispatch', float('nan')):8.3f} ms, one dispatch"
-              + (f"; kernels {kernels} us" if kernels else ""), flush=True)
+              + (f"; kernels {kernels} us; {spans}" if kernels else ""), flush=True)
 
 
 def summarize(rows, roof):
