@@ -84,12 +84,13 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
 ]
-# compute-bound sizes (from 128 rows per expert): columns per CTA chosen so that the CTA count
-# fills whole waves of the 132 SMs (128 x 128 tiles give 1.64 waves of gate/up CTAs at T256)
-WAVE_CONFIGS = [
-    (GemmConfig(64, 72, 64, 4, 2), GemmConfig(64, 80, 64, 4, 2)),    # T256: 2.9 and 5.8 waves
-    (GemmConfig(64, 96, 64, 4, 2), GemmConfig(64, 160, 64, 3, 2)),   # T1024: 8.7 and 11.6 waves
-    (GemmConfig(64, 144, 64, 3, 2), GemmConfig(64, 160, 64, 4, 2)),  # T1024: 5.8; T4096: 23.3
+# compute-bound sizes (from 128 rows per expert): persistent CTAs, one per SM, each looping
+# over output tiles (the next tile's loads and the last tile's store overlap the epilogue and
+# the main loop)
+PERSISTENT_CONFIGS = [
+    (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 3, 2, persistent=True)),
+    (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True)),
+    (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -149,11 +150,11 @@ def glu(hh):
                       LIMIT).astype(jnp.bfloat16)
 
 
-def configs_for(counts, configs, swapped, wave=()):
+def configs_for(counts, configs, swapped, large=()):
     """The block configs timed for these counts: the swapped ones at decode sizes only, the
-    wave-filling ones from 128 rows per expert."""
+    ``large`` ones from 128 rows per expert."""
     pairs = (configs + (swapped if counts.sum() <= 256 * len(counts) else [])
-             + (list(wave) if counts.sum() >= 128 * len(counts) else []))
+             + (list(large) if counts.sum() >= 128 * len(counts) else []))
     return [(cu, cd) for cu, cd in pairs if I % cu.block_n == 0 and D % cd.block_n == 0]  # (--smoke)
 
 
@@ -165,7 +166,7 @@ def impls(xs, w1, w3, w2, counts):
     cap = int(counts.max())
     grouped = lambda y: y  # noqa: E731
     out = {}
-    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS, WAVE_CONFIGS):
+    for cu, cd in configs_for(counts, CONFIGS, SWAP_CONFIGS, PERSISTENT_CONFIGS):
         x_al, dest, block_expert = aligned(xs, gs, n, cu.rows)
         name = config_name("megajax", cu, cd)
         up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=cu, interpret=INTERPRET)
@@ -267,7 +268,8 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 
 def config_name(prefix, cu, cd):
-    split = ("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
+    split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
+             + (" persistent" if cu.persistent else ""))
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 

@@ -66,7 +66,12 @@ class GemmConfig:
     the wgmma's 64-row M operand and the ``block_m`` rows (8 to 256) its N, so a CTA of 16
     rows neither pads them to 64 nor streams 64-row activation tiles beside the weights. The
     ``[block_n, rows]`` accumulator is stored through a transposed shared-memory view, so the
-    output stays ``[M, N]``."""
+    output stays ``[M, N]``.
+
+    ``persistent`` (warp specialised only) launches one CTA per SM, each looping over output
+    tiles: the TMA warpgroup runs on into the next tile's loads while the compute warpgroups
+    run the epilogue, whose store overlaps the next tile's main loop, and no CTA pays a launch
+    and a pipeline fill per tile."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
@@ -74,6 +79,7 @@ class GemmConfig:
     compute_wgs: int = 1
     split: str = "m"
     swap_ab: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
@@ -82,6 +88,8 @@ class GemmConfig:
                              or self.block_m > 256):
             raise ValueError(f"swap_ab needs one warpgroup, block_n a multiple of 64 and block_m "
                              f"a multiple of 8 up to 256: {self}")
+        if self.persistent and self.compute_wgs == 1:
+            raise ValueError(f"persistent needs warp specialisation (compute_wgs > 1): {self}")
 
     @property
     def rows(self) -> int:
@@ -143,6 +151,13 @@ def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
     """Block scales at tile granularity ``[E, N / bn, _scale_row(steps)]``."""
     t = jnp.repeat(jnp.repeat(w.scale, 128 // bn, axis=1), 128 // bk, axis=2)
     return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
+
+
+def _num_sms() -> int:
+    """CTAs of a persistent grid: one per SM (off the GPU, where kernels are only interpreted or
+    lowered, a few, so that each loops over several tiles)."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else 3
 
 
 def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None):
@@ -241,6 +256,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
     def store(accs, o_smem, o_gmem, s_smem=None):
+        """The epilogue; persistent, the store's wait moves to the next tile's epilogue (the
+        store overlaps the next main loop) and the kernel's end."""
         out = epilogue(*(a[...] for a in accs))
         if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
             sc = s_smem[...]
@@ -248,6 +265,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 sc = plgpu.layout_cast(sc, plgpu.Layout.WGMMA.reduce(0 if swap else 1))
             out = out * jax.lax.broadcast_in_dim(sc, out.shape, [1 if swap else 0])
         out = out.astype(o_smem.dtype)
+        if cfg.persistent:  # the last tile's store has read o_smem
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if not swap:
             o_smem[...] = out
         elif x_km:  # the interpreter stores no transposed view
@@ -256,7 +275,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if not cfg.persistent:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def fetch_row_scales(scale_gmem, first_row, s_smem, barrier):
         plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(first_row, s_smem.shape[0])], s_smem, barrier)
@@ -316,10 +336,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
-        mi, ni, wg = (jax.lax.axis_index(a) for a in ("m", "n", "wg"))
-        expert = block_expert_gmem[mi]
+        wg = jax.lax.axis_index("wg")
 
-        def pipeline(step, context):
+        def pipeline(step, context, mi, ni):
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
@@ -332,10 +351,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             return w_tile if cfg.split == "m" else (w_tile.at[:, pl.ds(my_cols, bc)] if kn
                                                     else w_tile.at[pl.ds(my_cols, bc)])
 
-        unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+        unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body or tile)
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused).get_allocations(*shapes),
+        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
                            o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
                                 plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
@@ -345,39 +364,53 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
                            collective_axes="wg")
         def _(allocs, o_smem, fp8, row_scales):
-            def run(w, scales):
-                def step(idx, x_smem, *rest):
-                    *w_smem, accs = rest
-                    tiles = [my_part(t) for t in w_smem]
-                    if scales:
-                        tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
-                    mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
-                    plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
-                    return accs
 
-                def context(body):
-                    if scales:
-                        load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
-                    s_smem = None
-                    if scaled:
-                        s_smem = row_scales[0].at[wg]
-                        fetch_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
-                        plgpu.barrier_wait(row_scales[1].at[wg])
+            def tile(mi, ni):
+                expert = block_expert_gmem[mi]
 
-                    def scope(*accs):
-                        body(accs)
-                        store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
-                                                                pl.ds(ni * bn + my_cols, bc)], s_smem)
-                    pl.run_scoped(scope, *acc_shapes)
+                def run(w, scales):
+                    def step(idx, x_smem, *rest):
+                        *w_smem, accs = rest
+                        tiles = [my_part(t) for t in w_smem]
+                        if scales:
+                            tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
+                        mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
+                        plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
+                        return accs
 
-                pipeline(step, context)(lhs_gmem, *w, allocations=allocs)
+                    def context(body):
+                        if scales:
+                            load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
+                        s_smem = None
+                        if scaled:
+                            s_smem = row_scales[0].at[wg]
+                            fetch_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
+                            plgpu.barrier_wait(row_scales[1].at[wg])
 
-            per_stack(expert, w_gmem, run)
+                        def scope(*accs):
+                            body(accs)
+                            store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
+                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem)
+                        pl.run_scoped(scope, *acc_shapes)
+
+                    pipeline(step, context, mi, ni)(lhs_gmem, *w, allocations=allocs)
+
+                per_stack(expert, w_gmem, run)
+
+            if cfg.persistent:  # this CTA's share of the tiles, column blocks fastest
+                @plgpu.nd_loop((m // rows * (n // bn),), collective_axes="sm")
+                def _(info):
+                    tile(*divmod(info.index[0], n // bn))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            else:
+                tile(jax.lax.axis_index("m"), jax.lax.axis_index("n"))
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(m // rows, n // bn),
-        grid_names=("m", "n"), **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
+           else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
+        **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
     return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()), *flat)
