@@ -7,7 +7,7 @@ same function from the same data and is checked against an fp32 per-expert refer
 
 Implementations: ``megajax`` (block-aligned rows, fused gate/up+SwiGLU kernel then the down
 kernel; best of a few block configs, each recorded, swapped-tile ones up to 256 rows per
-expert), ``xla_einsum`` (dense batched matmul
+expert, persistent ones from 128), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
 einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
@@ -25,7 +25,10 @@ weights applied in the gate/up epilogue), every other impl sees 7 stacked expert
 roofline counts the 7 experts' weights.
 
 ``--trace`` records, for the best megajax config and the JAX peers of each case, every kernel's
-GPU time from a profiler trace (``kernels_us``): where a call's time goes, free of launch gaps.
+GPU time from a profiler trace (``kernels_us``): where a call's time goes, free of launch gaps;
+and ``timeline``: the GPU's span and busy time per call over nine calls, dispatched one by one
+and three per dispatch (``gpu_common.gpu_timeline``); busy time is what a call costs inside
+the model's one executable per step, where no host dispatch sits between calls.
 
     python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--trace] [--plot results.png]
 """
