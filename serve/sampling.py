@@ -10,7 +10,8 @@ Why it looks like this:
 * Randomness comes only from ``fold_in(key(seed), step)`` per row (threefry, named explicitly), so a request's
   tokens do not depend on which other requests share its batch, nor on its row.
 * top-k and top-p together keep the tokens at or above one per-row logit threshold; instead of sorting ``[B, V]``
-  we find it exactly by a 16-way search over the float bit patterns (8 rounds of fused compare-and-reduce).
+  we find it exactly by a 16-way search over the float bit patterns (``mega.topk``: 8 rounds of fused
+  compare-and-reduce).
 
 Order of operations in :func:`sample` (matches vLLM / SGLang):
 ban (-> -inf) -> repetition penalty (prompt or output tokens) -> frequency and presence penalties (output tokens)
@@ -30,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from mega.topk import largest_threshold, ordered_key
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_TOP_LOGPROBS = 20
@@ -233,27 +236,6 @@ def apply_penalties(logits: jax.Array, params: SamplingArrays, counts: jax.Array
             - params.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def _ordered_key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (-0 and +0 merged)."""
-    u = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
-    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
-
-
-def _largest_threshold(keys: jax.Array, weights: jax.Array | None, target: jax.Array) -> jax.Array:
-    """Per row, the largest t with sum(weights[keys >= t]) >= target (a count if weights is None).
-
-    The sum is monotone in t, so 4 bits of t are fixed per round by testing 15 candidates at once.
-    """
-    t = jnp.zeros(keys.shape[:1], jnp.uint32)
-    digits = jnp.arange(1, 16, dtype=jnp.uint32)
-    for shift in range(28, -1, -4):  # static: 8 rounds
-        cand = t[:, None] | (digits << shift)[None, :]  # [B, 15], increasing
-        ge = keys[:, :, None] >= cand[:, None, :]  # [B, V, 15], fused into the reduction
-        mass = ge.sum(1) if weights is None else jnp.where(ge, weights[:, :, None], 0.0).sum(1)
-        t = t | ((mass >= target[:, None]).sum(1).astype(jnp.uint32) << shift)
-    return t
-
-
 def truncation_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Tokens that survive top-k, top-p and min-p, all three judged on the distribution softmax(z).
 
@@ -268,16 +250,16 @@ def truncation_mask(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
 
     def search(z: jax.Array, m: jax.Array) -> jax.Array:  # keys and e recomputed here fuse into the reductions
-        keys, e = _ordered_key(z), jnp.exp(z - m)
-        thr_k = _largest_threshold(keys, None, k)  # the k-th largest key (k = V: the smallest, keeps all)
-        thr_p = jnp.where(top_p < 1.0, _largest_threshold(keys, e, top_p * e.sum(-1)), jnp.uint32(0))
+        keys, e = ordered_key(z), jnp.exp(z - m)
+        thr_k = largest_threshold(keys, None, k)  # the k-th largest key (k = V: the smallest, keeps all)
+        thr_p = jnp.where(top_p < 1.0, largest_threshold(keys, e, top_p * e.sum(-1)), jnp.uint32(0))
         return jnp.maximum(thr_k, thr_p)
 
     # The searches dominate the cost: skip them when no row of the batch filters (lax.cond, no Python branch).
     # (One fused search for both conditions compiled to something 3x slower on GPU.)
     thr = lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), search,
                    lambda *_: jnp.zeros(z.shape[:1], jnp.uint32), z, m)
-    keys, e = _ordered_key(z), jnp.exp(z - m)  # e: unnormalised probs, the max is 1
+    keys, e = ordered_key(z), jnp.exp(z - m)  # e: unnormalised probs, the max is 1
     return (keys >= thr[:, None]) & (e >= min_p[:, None])
 
 
