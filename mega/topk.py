@@ -2,11 +2,13 @@
 
 XLA lowers ``lax.top_k`` at the indexer's k = 512 to a segmented radix sort on the GPU (two cub
 kernels, 0.83 ms of a 3.9 ms decode step in bench/RESULTS.md). The indexer needs the chosen
-set, not its order, so :func:`top_k_set` finds each row's k-th largest value by a radix
-search over the uint32 keys that order float32 values (:func:`largest_threshold`: 8 rounds,
-each fixing 4 bits by counting against 15 candidates in one fused compare-and-reduce), breaks
-ties at it towards lower indices as ``lax.top_k`` does, and compacts the chosen entries in
-index order with a cumsum. The sampler's top-k/top-p thresholds use the same search.
+set, not its order. :func:`top_k_set` is the candidate replacement (the model calls it only
+once ``bench/topk_gpu.py`` has timed it on the GPU). It finds each row's k-th largest value
+by a radix search over the uint32 keys that order float32 values (:func:`largest_threshold`:
+8 rounds, each fixing 4 bits by counting against 15 candidates in one fused
+compare-and-reduce), breaks ties at it towards lower indices as ``lax.top_k`` does, and
+compacts the chosen entries in index order with a cumsum. The sampler's top-k/top-p
+thresholds use the same search.
 """
 from __future__ import annotations
 
