@@ -7,6 +7,7 @@ per-call synchronisation.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ def time_jax_sets(fn, arg_sets, inner: int = 10, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+@functools.cache  # (one compiled program per fn, however often it is timed or traced)
 def batched(fn):
     """One jitted dispatch running ``fn`` on each of a list of argument sets, back to back."""
     return jax.jit(lambda sets: [fn(*args) for args in sets])

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, roofline_ms, run_info, time_jax, time_jax_one_dispatch,
-                        time_torch, torch, write)
+from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, roofline_ms, run_info, time_jax,
+                        time_jax_one_dispatch, time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
 from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,

@@ -386,7 +386,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
                            collective_axes="wg")
         def _(allocs, o_smem, fp8, row_scales):
-
             def tile(mi, ni):
                 expert = block_expert_gmem[mi]
 
