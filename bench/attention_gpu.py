@@ -139,9 +139,11 @@ def run(args):
     rng = np.random.default_rng(0)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
 
-    for kind, n in cases:
-        case = {"kind": kind, "n": n, "H": h, "D": d, "S": win + topk}
-        key = f"{kind}-{n}"
+    # --topk: the same cases at other top-k widths (keys per query), which separates the
+    # per-chunk cost from the per-CTA one
+    for kind, n, topk in [(k, n, tk) for k, n in cases for tk in (args.topk or [topk])]:
+        key = f"{kind}-{n}" + (f"-top{topk}" if args.topk else "")
+        case = {"kind": kind, "n": n, "H": h, "D": d, "S": win + topk, "key": key}
         try:
             t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
             case["T"] = t
@@ -259,7 +261,7 @@ def table(payload):
     print(f"{'case':>16} {'impl':>12} {'ms':>9} {'roof ms':>9} {'%roof':>6} {'GB/s':>7} {'TFLOP/s':>8} {'rel_err':>8} "
           f"{'ms, 1 disp':>9}")
     for r in payload["rows"]:
-        key = f"{r['case']['kind']}-{r['case']['n']}"
+        key = r["case"].get("key", f"{r['case']['kind']}-{r['case']['n']}")
         roof = r.get("roofline_ms") or payload["roofline_ms"].get(key)
         if r.get("ms") is None:
             print(f"{key:>16} {r['impl']:>12}  failed: {str(r.get('error'))[:80]}")
@@ -287,7 +289,7 @@ def plot(path: Path):
         ax.plot([k for k in keys if k in roof8], [roof8[k] for k in keys if k in roof8], "k:",
                 label="roofline, fp8 window")
     for impl in sorted({r["impl"] for r in payload["rows"]}):
-        pts = {f"{r['case']['kind']}-{r['case']['n']}": r["ms"] for r in payload["rows"]
+        pts = {r["case"].get("key", f"{r['case']['kind']}-{r['case']['n']}"): r["ms"] for r in payload["rows"]
                if r["impl"] == impl and r.get("ms")}
         ax.plot([k for k in keys if k in pts], [pts[k] for k in keys if k in pts], "o-", label=impl)
     ax.set_yscale("log")
@@ -309,6 +311,8 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
+    p.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="run each case at these top-k widths instead of V4.1's 512, e.g. 128,512,1536")
     a = p.parse_args()
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "bench_out")) / "attention_gpu.json"
     if a.plot:
