@@ -1,20 +1,27 @@
-"""Per-row thresholds and exact top-k sets found by a search over float bit patterns, not a sort.
+"""Top-k without sorting whole rows, and per-row thresholds from a search over float bit patterns.
 
-XLA lowers ``lax.top_k`` at the indexer's k = 512 to a segmented radix sort on the GPU (two cub
-kernels, 0.83 ms of a 3.9 ms decode step in bench/RESULTS.md). The indexer needs the chosen
-set, not its order. :func:`top_k_set` is the candidate replacement (the model calls it only
-once ``bench/topk_gpu.py`` has timed it on the GPU). It finds each row's k-th largest value
-by a radix search over the uint32 keys that order float32 values (:func:`largest_threshold`:
-8 rounds, each fixing 4 bits by counting against 15 candidates in one fused
-compare-and-reduce), breaks ties at it towards lower indices as ``lax.top_k`` does, and
-compacts the chosen entries in index order with a cumsum. The sampler's top-k/top-p
-thresholds use the same search.
+XLA runs ``lax.top_k`` on the GPU with a selection kernel up to k = 16 and above that with a
+full segmented radix sort (cub). The sampler's top-20 logprobs over a 129K vocabulary cost
+0.83 ms of a 3.9 ms decode step that way (bench/RESULTS.md). :func:`top_k` gives the same
+answer by a two-level selection: split the row into groups of 128, pick the k groups with the
+largest maxima, then the top k of those k * 128 candidates. Both sorts are small.
+
+Why it is exact: order entries by (value descending, index ascending), as ``lax.top_k`` does.
+If entry e is among the top k, every group ranked above e's group (by its maximum, ties to
+the lower group) holds its maximum, an entry ranked above e; there are at most k - 1 of
+those, so e's group is among the top k groups. The chosen groups are put back in index
+order, so ties among the candidates still go to the lower index. Values are compared as
+int32 keys with the float32 total order (-0 below +0, as ``lax.top_k`` orders them).
+
+The sampler's top-k/top-p thresholds use :func:`largest_threshold` over :func:`ordered_key`.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+GROUP = 128  # entries per group in top_k's first level
 
 
 def ordered_key(x: jax.Array, merge_zeros: bool = True) -> jax.Array:
@@ -41,18 +48,24 @@ def largest_threshold(keys: jax.Array, weights: jax.Array | None, target: jax.Ar
     return t
 
 
-def top_k_set(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``(values, indices)``, each ``[B, k]``: the same entries of ``x [B, N]`` (float, k <= N)
-    as ``lax.top_k`` picks, ties included (the lower index first), in increasing index order."""
-    b, n = x.shape
-    if not 0 < k <= n:
-        raise ValueError(f"k must be in 1..{n}, got {k}")
-    keys = ordered_key(x, merge_zeros=False)
-    kth = largest_threshold(keys, None, jnp.full((b,), k, jnp.int32))[:, None]
-    above, tied = keys > kth, keys == kth
-    room = k - above.sum(-1, keepdims=True)  # how many of the tied entries are taken
-    take = above | (tied & (jnp.cumsum(tied, -1) <= room))
-    slot = jnp.where(take, jnp.cumsum(take, -1) - 1, k)  # k: dropped
-    ids = jnp.zeros((b, k), jnp.int32).at[jnp.arange(b)[:, None], slot].set(
-        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
-    return jnp.take_along_axis(x, ids, -1), ids
+def top_k(x: jax.Array, k: int, grouped: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k(x, k)`` along the last axis of a float array without NaNs: the same values
+    and int32 indices in the same order (see the module docstring). ``grouped``: use the
+    two-level selection (``None``: on the GPU, whose ``lax.top_k`` sorts; the CPU's does not)."""
+    n = x.shape[-1]
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in 0..{n}, got {k}")
+    if grouped is None:
+        grouped = jax.default_backend() == "gpu"
+    if not grouped or k == 0 or n <= 2 * k * GROUP:   # (else the candidates are most of the row)
+        return lax.top_k(x, k)
+    keys = lax.bitcast_convert_type(ordered_key(x, merge_zeros=False) ^ jnp.uint32(0x80000000), jnp.int32)
+    lead = keys.shape[:-1]
+    # padding sorts last: no key is smaller, and ties go to the lower (real) index
+    keys = jnp.pad(keys, [(0, 0)] * len(lead) + [(0, -n % GROUP)], constant_values=jnp.iinfo(jnp.int32).min)
+    groups = keys.reshape(*lead, -1, GROUP)
+    chosen = jnp.sort(lax.top_k(groups.max(-1), k)[1], axis=-1)
+    cand = jnp.take_along_axis(groups, chosen[..., None], axis=-2).reshape(*lead, k * GROUP)
+    pos = lax.top_k(cand, k)[1]
+    idx = jnp.take_along_axis(chosen, pos // GROUP, axis=-1) * GROUP + pos % GROUP
+    return jnp.take_along_axis(x, idx, axis=-1), idx

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mega.topk import largest_threshold, ordered_key
+from mega.topk import largest_threshold, ordered_key, top_k
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_TOP_LOGPROBS = 20
@@ -289,6 +289,6 @@ def sample(logits: jax.Array, params: SamplingArrays, counts: jax.Array, prompt_
     noisy = jnp.where(keep, z + _gumbel(params.seed, params.step, z.shape[-1]), -jnp.inf)
     tokens = jnp.where(greedy, jnp.argmax(x, -1), jnp.argmax(noisy, -1)).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = lax.top_k(logp, num_top)
+    top_lp, top_ids = top_k(logp, num_top)
     return SampleOutput(tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0], top_ids.astype(jnp.int32),
                         top_lp)
