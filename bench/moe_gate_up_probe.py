@@ -1,0 +1,80 @@
+"""Would one wgmma over a fused gate|up weight tile beat the two-operand gate/up kernel?
+
+``grouped_swiglu`` streams a gate tile and an up tile per step into two wgmmas that read the
+same activation tile; cuBLAS's GEMM for the XLA einsum (``nvjet ... 144x128``) runs one wide
+tile and 2.9 waves at T256 where ours runs 1.64. This probe times, per GPU kernel (profiler
+trace), at V4.1-Flash expert shapes (6 local experts, D 5120, I 2304, balanced rows):
+
+* ``swiglu[cfg]``: ``grouped_swiglu(x, w1, w3)`` with ``mega.moe``'s config for the size;
+* ``w13 matmul[cfg]``: ``grouped_matmul(x, w13)`` over the stacked ``[E, 2I, D]`` weight, one
+  operand whose tile is ``block_n`` rows of it (the fused layout's GEMM, without the SwiGLU
+  epilogue, writing 2I columns);
+* ``einsum``: XLA's batched einsum over the same stacked weight (the peer's kernel).
+
+    python3 bench/moe_gate_up_probe.py         # on the H200, writes $OUT/moe_gate_up_probe.json
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import ceilings, gpu_kernels, rel_err, run_info, write  # noqa: E402
+
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu  # noqa: E402
+
+E, D, I, LIMIT = 6, 5120, 2304, 10.0
+SWIGLU = {256: GemmConfig(64, 128, 64, 4, compute_wgs=2), 1024: GemmConfig(64, 128, 64, 4, compute_wgs=2),
+          4096: GemmConfig(128, 64, 64, 3, compute_wgs=2)}
+W13 = [GemmConfig(64, 128, 64, 5, compute_wgs=2), GemmConfig(64, 144, 64, 5, compute_wgs=2),
+       GemmConfig(64, 192, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2),
+       GemmConfig(128, 128, 64, 3, compute_wgs=2), GemmConfig(128, 144, 64, 3, compute_wgs=2)]
+
+
+def name(c):
+    return f"{c.block_m}x{c.block_n}x{c.block_k}/{c.stages}"
+
+
+def main():
+    info, rows = run_info(), []
+    ceil = ceilings()
+    k = jax.random.split(jax.random.key(0), 3)
+    w1, w3 = (0.02 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in k[:2])
+    w13 = jnp.concatenate([w1, w3], axis=1)
+    for t in (256, 1024, 4096):
+        x = jax.random.normal(jax.random.fold_in(k[2], t), (E * t, D), jnp.bfloat16)
+        flops = 2 * E * t * D * 2 * I
+        roof_us = max(flops / ceil["matmul_TFLOPs"] / 1e6, 2 * E * 2 * I * D / ceil["bandwidth_GBps"] / 1e3)
+        want = jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w13, preferred_element_type=jnp.float32)
+        want = want.reshape(E * t, 2 * I)
+        variants = [("einsum", jax.jit(lambda x, w: jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w)), (x, w13), None)]
+        c = SWIGLU[t]
+        be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
+        variants.append((f"swiglu[{name(c)}]", jax.jit(lambda x, a, b, be, c=c: grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=c)),
+                         (x, w1, w3, be), None))
+        for c in W13:
+            be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
+            if (2 * I) % c.block_n or t % c.rows:
+                continue
+            variants.append((f"w13 matmul[{name(c)}]", jax.jit(lambda x, w, be, c=c: grouped_matmul(x, w, be, cfg=c)),
+                             (x, w13, be), want))
+        for impl, fn, args, ref in variants:
+            row = {"case": {"tokens_per_expert": t, "E": E, "D": D, "I": I}, "impl": impl, "roofline_us": roof_us}
+            try:
+                if ref is not None:
+                    row["rel_err"] = rel_err(fn(*args), ref)
+                ks = gpu_kernels(fn, *args)
+                row["kernels_us"] = ks
+                row["us"] = sum(us for _, us in ks)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:500]
+            rows.append(row)
+            print(t, impl, row.get("us"), row.get("rel_err"), row.get("error", ""), flush=True)
+    write("moe_gate_up_probe", {**info, "ceilings": ceil, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
