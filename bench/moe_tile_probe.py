@@ -1,4 +1,5 @@
-"""Would one wgmma over a fused gate|up weight tile beat the two-operand gate/up kernel?
+"""Tile probes for the MoE GEMMs: one wgmma over a fused gate|up weight tile against the
+two-operand gate/up kernel, and the down GEMM's tile widths.
 
 ``grouped_swiglu`` streams a gate tile and an up tile per step into two wgmmas that read the
 same activation tile; cuBLAS's GEMM for the XLA einsum (``nvjet ... 144x128``) runs one wide
@@ -9,9 +10,11 @@ trace), at V4.1-Flash expert shapes (6 local experts, D 5120, I 2304, balanced r
 * ``w13 matmul[cfg]``: ``grouped_matmul(x, w13)`` over the stacked ``[E, 2I, D]`` weight, one
   operand whose tile is ``block_n`` rows of it (the fused layout's GEMM, without the SwiGLU
   epilogue, writing 2I columns);
-* ``einsum``: XLA's batched einsum over the same stacked weight (the peer's kernel).
+* ``einsum``: XLA's batched einsum over the same stacked weight (the peer's kernel);
+* ``down[cfg]`` and ``down einsum``: the down projection ``[rows, I] x [E, D, I]`` at tile
+  widths that divide D = 5120 (cuBLAS picks 168-176 wide tiles there).
 
-    python3 bench/moe_gate_up_probe.py         # on the H200, writes $OUT/moe_gate_up_probe.json
+    python3 bench/moe_tile_probe.py         # on the H200, writes $OUT/moe_tile_probe.json
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ SWIGLU = {256: GemmConfig(64, 128, 64, 4, compute_wgs=2), 1024: GemmConfig(64, 1
 W13 = [GemmConfig(64, 128, 64, 5, compute_wgs=2), GemmConfig(64, 144, 64, 5, compute_wgs=2),
        GemmConfig(64, 192, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2),
        GemmConfig(128, 128, 64, 3, compute_wgs=2), GemmConfig(128, 144, 64, 3, compute_wgs=2)]
+DOWN = [GemmConfig(64, 256, 64, 3, compute_wgs=2), GemmConfig(64, 160, 64, 5, compute_wgs=2),
+        GemmConfig(64, 128, 64, 5, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2),
+        GemmConfig(128, 160, 64, 2, compute_wgs=2), GemmConfig(128, 80, 64, 4, compute_wgs=2)]
 
 
 def name(c):
@@ -44,6 +50,7 @@ def main():
     k = jax.random.split(jax.random.key(0), 3)
     w1, w3 = (0.02 * jax.random.normal(kk, (E, I, D), jnp.bfloat16) for kk in k[:2])
     w13 = jnp.concatenate([w1, w3], axis=1)
+    w2 = 0.02 * jax.random.normal(jax.random.fold_in(k[2], 1), (E, D, I), jnp.bfloat16)
     for t in (256, 1024, 4096):
         x = jax.random.normal(jax.random.fold_in(k[2], t), (E * t, D), jnp.bfloat16)
         flops = 2 * E * t * D * 2 * I
@@ -61,6 +68,16 @@ def main():
                 continue
             variants.append((f"w13 matmul[{name(c)}]", jax.jit(lambda x, w, be, c=c: grouped_matmul(x, w, be, cfg=c)),
                              (x, w13, be), want))
+        h = x[:, :I]
+        down_want = jnp.einsum("eti,edi->etd", h.reshape(E, t, I), w2, preferred_element_type=jnp.float32)
+        variants.append(("down einsum", jax.jit(lambda h, w: jnp.einsum("eti,edi->etd", h.reshape(E, t, I), w)),
+                         (h, w2), None))
+        for c in DOWN:
+            be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
+            if D % c.block_n or t % c.rows:
+                continue
+            variants.append((f"down[{name(c)}]", jax.jit(lambda h, w, be, c=c: grouped_matmul(h, w, be, cfg=c)),
+                             (h, w2, be), down_want.reshape(E * t, D)))
         for impl, fn, args, ref in variants:
             row = {"case": {"tokens_per_expert": t, "E": E, "D": D, "I": I}, "impl": impl, "roofline_us": roof_us}
             try:
@@ -73,7 +90,7 @@ def main():
                 row["error"] = repr(e)[:500]
             rows.append(row)
             print(t, impl, row.get("us"), row.get("rel_err"), row.get("error", ""), flush=True)
-    write("moe_gate_up_probe", {**info, "ceilings": ceil, "rows": rows})
+    write("moe_tile_probe", {**info, "ceilings": ceil, "rows": rows})
 
 
 if __name__ == "__main__":
