@@ -119,6 +119,13 @@ def test_aligned_layout_places_every_row_in_its_experts_blocks(rng):
     assert m_pad <= n + min(e, n) * (rows - 1) + rows
 
 
+def test_aligned_layout_has_no_loop():
+    """A while loop in the step (jnp.searchsorted's default) runs from the host on the GPU: one
+    device-to-host sync per iteration, between the step's CUDA graphs."""
+    hlo = jax.jit(aligned_layout, static_argnums=(1, 2, 3)).lower(jnp.zeros(17, jnp.int32), 96, 64, 17).as_text()
+    assert "while" not in hlo
+
+
 def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     """The full MegaMoE op (routing, dispatch, kernels, combine, shared expert) through the
     interpreted kernels equals the reference path on the same bf16 inputs."""
