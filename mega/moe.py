@@ -80,8 +80,8 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     dest = (end - padded)[expert] + jnp.arange(n) - start[expert]
     block_start = jnp.arange(m_pad // block_rows) * block_rows
     # compare_all, not the default binary search: that is a while loop, which XLA's GPU runtime
-    # drives from the host (a device-to-host copy of the condition per iteration, between the
-    # step's CUDA graphs), 5 iterations per MoE layer per step
+    # runs from the host, launching the body's kernels one by one outside the step's CUDA
+    # graphs, which it splits (one loop per MoE layer per step)
     block_expert = jnp.where(block_start < end[-1],
                              jnp.searchsorted(end, block_start, side="right", method="compare_all"), -1)
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad

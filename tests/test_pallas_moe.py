@@ -120,8 +120,8 @@ def test_aligned_layout_places_every_row_in_its_experts_blocks(rng):
 
 
 def test_aligned_layout_has_no_loop():
-    """A while loop in the step (jnp.searchsorted's default) runs from the host on the GPU: one
-    device-to-host sync per iteration, between the step's CUDA graphs."""
+    """A while loop in the step (jnp.searchsorted's default) runs from the host on the GPU,
+    outside the step's CUDA graphs, which it splits."""
     hlo = jax.jit(aligned_layout, static_argnums=(1, 2, 3)).lower(jnp.zeros(17, jnp.int32), 96, 64, 17).as_text()
     assert "while" not in hlo
 
