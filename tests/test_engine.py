@@ -83,6 +83,42 @@ def test_mixed_workload_compiles_within_buckets(tiny):
     assert engine.scheduler.used_pages == 0
 
 
+def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
+    """No while/scan in any compiled step (prefill, decode, replay): on the GPU XLA runs a loop
+    from the host, one launch at a time outside the step's CUDA graphs, which it splits."""
+    import functools
+
+    import jax
+    from jax.extend import core as jcore
+
+    import serve.runner as runner
+
+    seen, run_step = {}, runner.run_step
+
+    def spy(*args, **kw):
+        avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, args)
+        seen.setdefault((str(jax.tree.map(jnp.shape, args[2])), kw["replay"]), (avals, kw))
+        return run_step(*args, **kw)
+
+    def loops(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("while", "scan"):
+                yield str(eqn.source_info.name_stack)
+            for sub in jax.tree.leaves(list(eqn.params.values()), is_leaf=lambda x: isinstance(x, jcore.ClosedJaxpr)):
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    yield from loops(getattr(sub, "jaxpr", sub))
+
+    monkeypatch.setattr(runner, "run_step", spy)
+    engine = _engine(tiny, decoder_replay="approx")
+    for p in prompts:
+        engine.add_request(p, {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "seed": 1})
+    engine.run_until_idle()
+    assert len({replay for _, replay in seen}) > 1      # replay and plain steps were both traced
+    for avals, kw in seen.values():
+        found = list(loops(jax.make_jaxpr(functools.partial(run_step, **kw))(*avals).jaxpr))
+        assert not found, found
+
+
 def test_abort_frees_everything(tiny, prompts):
     engine = _engine(tiny)
     rids = [engine.add_request(p, {"max_new_tokens": 50, "ignore_eos": True})[0] for p in prompts]
