@@ -42,11 +42,28 @@ def commit() -> str:
         return "unknown"
 
 
+GPU_STATE = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def gpu_state() -> dict | None:
+    """The GPU's clocks, power, temperature and throttle reasons now (``nvidia-smi``), or None:
+    the same kernels ran 15-20% slower late in a long call than in a short one."""
+    state = {}
+    for field in GPU_STATE.split(","):   # one at a time: a field this driver lacks drops alone
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                                 capture_output=True, text=True, check=True, timeout=20).stdout
+            state[field] = out.splitlines()[0].strip()
+        except (OSError, subprocess.SubprocessError, IndexError):
+            continue
+    return state or None
+
+
 def run_info() -> dict:
     dev = jax.devices()[0]
     return {"commit": commit(), "device": getattr(dev, "device_kind", dev.platform),
             "jax_version": jax.__version__,
-            "torch_version": getattr(torch, "__version__", None)}
+            "torch_version": getattr(torch, "__version__", None), "gpu_state_start": gpu_state()}
 
 
 def time_jax(fn, *args, inner: int = 10, reps: int = 5) -> float:
@@ -190,5 +207,5 @@ def write(name: str, payload: dict) -> Path:
     out_dir = Path(os.environ.get("OUT", ROOT / "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1))
+    path.write_text(json.dumps({**payload, "gpu_state_end": gpu_state()}, indent=1))
     return path
