@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, run_info, traced_kernels, write  # noqa: E402
+from gpu_common import ROOT, gpu_state, run_info, traced_kernels, write  # noqa: E402
 
 MODES = ("reference", "pallas", "pallas_fp8", "fp32")
 
@@ -158,6 +158,7 @@ def main():
         run_mode(args.mode, args.smoke)
         return
     results, errors = {}, {}
+    state_start = gpu_state()   # (run_info, which starts JAX here, waits: the children need the GPU's memory)
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--mode", mode] + ["--smoke"] * args.smoke
         try:
@@ -173,7 +174,7 @@ def main():
                        if f in v}
                    for k, v in results[mode].items()}
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)
-    payload = {**run_info(), "results": results, "errors": errors}
+    payload = {**run_info(), "gpu_state_start": state_start, "results": results, "errors": errors}
     done = {m: r for m, r in results.items() if "decode" in r}
     for truth in ("fp32", "reference"):
         if truth in done:

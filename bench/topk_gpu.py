@@ -25,7 +25,7 @@ CASES = [(rows, k) for rows in (1, 32, 256) for k in (8, 16, 20)]
 
 
 def main():
-    rows = []
+    info, rows = run_info(), []
     impls = {"lax_top_k": jax.jit(jax.lax.top_k, static_argnums=1), "mega_top_k": jax.jit(lambda x, k: top_k(x, k, True), static_argnums=1)}
     for b, k in CASES:
         x = jax.nn.log_softmax(3 * jax.random.normal(jax.random.key(b * 100 + k), (b, VOCAB)), -1)
@@ -38,7 +38,7 @@ def main():
             row.update(gpu_timeline(lambda: jax.block_until_ready([fn(x, k) for _ in range(5)]), 5))
             rows.append(row)
             print(row, flush=True)
-    write("topk_gpu", {**run_info(), "rows": rows})
+    write("topk_gpu", {**info, "rows": rows})
 
 
 if __name__ == "__main__":

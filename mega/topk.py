@@ -11,7 +11,8 @@ If entry e is among the top k, every group ranked above e's group (by its maximu
 the lower group) holds its maximum, an entry ranked above e; there are at most k - 1 of
 those, so e's group is among the top k groups. The chosen groups are put back in index
 order, so ties among the candidates still go to the lower index. Values are compared as
-int32 keys with the float32 total order (-0 below +0, as ``lax.top_k`` orders them).
+int32 keys with the float32 total order (-0 below +0, as XLA's sorts order them: the CPU's
+``lax.top_k`` and the GPU's above k = 16; the GPU's selection kernel may tie them).
 
 The sampler's top-k/top-p thresholds use :func:`largest_threshold` over :func:`ordered_key`.
 """
@@ -57,7 +58,9 @@ def top_k(x: jax.Array, k: int, grouped: bool | None = None) -> tuple[jax.Array,
         raise ValueError(f"k must be in 0..{n}, got {k}")
     if grouped is None:
         grouped = jax.default_backend() == "gpu"
-    if not grouped or k == 0 or n <= 2 * k * GROUP:   # (else the candidates are most of the row)
+    # (n <= 2 k GROUP: the candidates would be most of the row; other dtypes: no exact f32 key)
+    if (not grouped or k == 0 or x.size == 0 or n <= 2 * k * GROUP
+            or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
         return lax.top_k(x, k)
     keys = lax.bitcast_convert_type(ordered_key(x, merge_zeros=False) ^ jnp.uint32(0x80000000), jnp.int32)
     lead = keys.shape[:-1]

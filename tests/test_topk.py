@@ -10,7 +10,7 @@ from mega.topk import top_k
 
 
 @pytest.mark.parametrize("shape,k", [((6, 37), 5), ((6, 5000), 1), ((6, 5000), 16), ((6, 129280 // 8), 20),
-                                     ((2, 3, 4099), 7), ((6, 300), 0)])
+                                     ((6, 50 * 128), 20), ((2, 3, 4099), 7), ((6, 300), 0)])
 def test_top_k_is_lax_top_k(shape, k):
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
@@ -28,6 +28,12 @@ def test_top_k_is_lax_top_k(shape, k):
     np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
     np.testing.assert_array_equal(np.signbit(vals), np.signbit(want_vals))
     assert ids.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("x", [jnp.zeros((0, 5000)), jnp.arange(5000, dtype=jnp.int32)[None] % 977])
+def test_top_k_falls_back_where_the_keys_do_not_apply(x):
+    for got, want in zip(top_k(x, 3, True), jax.lax.top_k(x, 3)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_top_k_rejects_a_k_it_cannot_take():
