@@ -79,7 +79,12 @@ so the tensor cores idle during the softmax. FlashMLA's split (each warpgroup co
 full-D QK^T and softmax of every other chunk and publishes P, 8 KB, instead of exchanging
 fp32 partial logits) was tried and measured 1.3x slower (bench/RESULTS.md): the softmax steps
 then form one chain that alternates between the warpgroups through shared memory and
-barriers, and that chain, not the tensor cores, set the pace.
+barriers, and that chain, not the tensor cores, set the pace. Timed at 4, 10 and 25 chunks
+per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch
+included), so a persistent grid that hid one token's prologue and epilogue behind the
+previous token's chunks would save at most ~11% (prefill) to ~20% (decode). Overlapping one
+chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed
+a step earlier, i.e. a third K/V slot: 64 KB more than the 227 KB of shared memory allow.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
