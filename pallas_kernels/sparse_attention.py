@@ -84,7 +84,7 @@ per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, l
 included), so a persistent grid that hid one token's prologue and epilogue behind the
 previous token's chunks would save at most ~11% (prefill) to ~20% (decode). Overlapping one
 chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed
-a step earlier, i.e. a third K/V slot: 64 KB more than the 227 KB of shared memory allow.
+a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
