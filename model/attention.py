@@ -95,17 +95,30 @@ def index_keys(latent: jnp.ndarray, p: dict, positions: jnp.ndarray, cfg: ModelC
     return quant.fp4_block32(apply_rope(k, cos, sin))
 
 
-def index_scores(r: jnp.ndarray, x: jnp.ndarray, p: dict, keys: jnp.ndarray, info: StepInfo,
-                 cfg: ModelConfig) -> jnp.ndarray:
-    """``[T, N]`` scores of each query against its request's ``keys [T, N, d]``."""
+# Bytes the indexer's per-token intermediates may take in one pass: each scored token gathers
+# its request's keys ([N, d], fp32 in the product) and keeps per-head scores ([H, N] fp32) up to
+# the head sum. Past this (long contexts times prefill-sized steps: 128K context scores 409
+# tokens a pass) the step's tokens are scored in chunks, so memory stays bounded; the chunks
+# are a loop, which the GPU runs from the host, so decode-sized steps should stay below it.
+# (A fused indexer kernel, reading each request's keys once, is what would make this fast.)
+INDEX_PASS_BYTES = 8 << 30
+
+
+def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: ModelConfig):
+    """The indexer's queries ``[T, H, d]`` (RoPE, FP4) and head weights ``[T, H]``, in fp32."""
     t = r.shape[0]
     q = linear(r, p["wq_b"]).astype(r.dtype).reshape(t, cfg.index_n_heads, cfg.index_head_dim)
     cos, sin = info.rope["compress"]
     q = quant.fp4_block32(apply_rope(q, cos[:, None], sin[:, None]))
-    s = jnp.einsum("thd,tnd->thn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=HIGHEST)
-    s = jax.nn.relu(s) * cfg.index_head_dim ** -0.5
     w = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
-    return jnp.einsum("th,thn->tn", w, s, precision=HIGHEST)
+    return q.astype(jnp.float32), w
+
+
+def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
+    """``[N]`` scores of one query (``q [H, d]``, head weights ``w [H]``) against ``keys [N, d]``."""
+    s = jnp.einsum("hd,nd->hn", q, keys.astype(jnp.float32), precision=HIGHEST)
+    s = jax.nn.relu(s) * cfg.index_head_dim ** -0.5
+    return jnp.einsum("h,hn->n", w, s, precision=HIGHEST)
 
 
 def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
@@ -186,10 +199,16 @@ def _window(kv: jnp.ndarray, ring, info: StepInfo):
 
 @jax.named_scope("indexer")  # prefixes its ops' names in HLO dumps and XProf
 def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -> Published:
-    n = state.capacity // ratio
+    t, n = x.shape[0], state.capacity // ratio
     entries = jnp.arange(n, dtype=jnp.int32)
-    rows = entry_rows(state, ratio, info.slot, jnp.broadcast_to(entries, (x.shape[0], n)))
-    scores = index_scores(r, x, p, pool_k[rows], info, cfg)
+    q, w = index_queries(r, x, p, info, cfg)
+
+    def score(q_t, w_t, slot_t):  # one token against every entry of its request
+        return index_scores(q_t, w_t, pool_k[entry_rows(state, ratio, slot_t[None], entries[None])[0]], cfg)
+
+    chunk = max(1, INDEX_PASS_BYTES // (4 * n * (cfg.index_head_dim + cfg.index_n_heads)))
+    scores = (jax.vmap(score)(q, w, info.slot) if chunk >= t
+              else jax.lax.map(lambda a: score(*a), (q, w, info.slot), batch_size=chunk))
     visible = (info.pos + 1) // ratio
     is_visible = entries[None] < visible[:, None]
     scores = jnp.where(is_visible, scores, -jnp.inf)
@@ -201,5 +220,5 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -
     chosen = scores if forced is None else jnp.where(forced[:, :n] & is_visible, 0.0, -jnp.inf)
     vals, ids = jax.lax.top_k(chosen, min(cfg.index_topk, n))
     ok = vals > -jnp.inf
-    comp_idx = jnp.where(ok, jnp.take_along_axis(rows, ids, axis=1), -1)
+    comp_idx = jnp.where(ok, entry_rows(state, ratio, info.slot, ids), -1)
     return Published(comp_idx, cand, jnp.where(ok, ids, -1), scores)

@@ -31,3 +31,31 @@ def test_c19_intermediates(tiny):
                                    err_msg=f"streams after layer {layer}")
         np.testing.assert_allclose(np.asarray(trace.premix[layer])[:n], premix[layer], atol=1e-5,
                                    err_msg=f"pre-mix of layer {layer}")
+
+
+
+def test_indexer_scores_in_chunks_as_in_one_pass(tiny, monkeypatch):
+    """Long contexts score the indexer's tokens in chunks (``model.attention.INDEX_PASS_BYTES``):
+    forced at max_len 80, against one pass at max_len 96 (other shapes: separate traces)."""
+    import jax
+
+    import model.attention as attention
+
+    cfg, ids = tiny.cfg, tiny.cases["c50_chunked"]["prompt_ids"][:50]
+
+    def selections(max_len):
+        _, [(_, _, trace)] = tiny.run(ids, [len(ids)], trace=True, max_len=max_len)
+        return trace.selections
+
+    whole = selections(96)
+    n = 80 // min(cfg.compress_ratios[layer] for layer in cfg.index_source_layer_ids)
+    monkeypatch.setattr(attention, "INDEX_PASS_BYTES", 7 * 4 * n * (cfg.index_head_dim + cfg.index_n_heads))
+    chunks, lax_map = [], jax.lax.map
+    monkeypatch.setattr(jax.lax, "map", lambda f, xs, **kw: chunks.append(kw["batch_size"]) or lax_map(f, xs, **kw))
+    chunked = selections(80)
+    assert 7 in chunks and set(whole) == set(chunked)   # 80 prefill rows in chunks of 7: the last one short
+    for layer, pub in chunked.items():
+        got = np.asarray(pub.scores)[:len(ids)]
+        want = np.asarray(whole[layer].scores)[:len(ids), :got.shape[1]]
+        assert np.isfinite(want).any()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"layer {layer}")
