@@ -7,7 +7,7 @@ same function from the same data and is checked against an fp32 per-expert refer
 
 Implementations: ``megajax`` (block-aligned rows, fused gate/up+SwiGLU kernel then the down
 kernel; best of a few block configs, each recorded, swapped-tile ones up to 256 rows per
-expert, persistent and clustered ones from 128), ``xla_einsum`` (dense batched matmul
+expert, persistent ones from 128), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
 einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
@@ -89,13 +89,11 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
 ]
 # compute-bound sizes (from 128 rows per expert): persistent CTAs, one per SM, each looping
 # over output tiles (the next tile's loads and the last tile's store overlap the epilogue and
-# the main loop); clusters of two CTAs that share each activation tile (multicast)
+# the main loop)
 LARGE_CONFIGS = [
     (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 3, 2, persistent=True)),
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True)),
     (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True)),
-    (GemmConfig(64, 128, 64, 4, 2, cluster_n=2), GemmConfig(64, 256, 64, 3, 2, cluster_n=2)),
-    (GemmConfig(128, 64, 64, 3, 2, cluster_n=2), GemmConfig(128, 128, 64, 3, 2, cluster_n=2)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -160,9 +158,7 @@ def configs_for(counts, configs, swapped, large=()):
     ``large`` ones from 128 rows per expert."""
     pairs = (configs + (swapped if counts.sum() <= 256 * len(counts) else [])
              + (list(large) if counts.sum() >= 128 * len(counts) else []))
-    # (--smoke: its shapes, and the interpreter has no cluster barriers)
-    return [(cu, cd) for cu, cd in pairs if I % (cu.block_n * cu.cluster_n) == 0
-            and D % (cd.block_n * cd.cluster_n) == 0 and (INTERPRET is None or cu.cluster_n == 1)]
+    return [(cu, cd) for cu, cd in pairs if I % cu.block_n == 0 and D % cd.block_n == 0]   # (--smoke's shapes)
 
 
 def impls(xs, w1, w3, w2, counts):
@@ -276,7 +272,7 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 def config_name(prefix, cu, cd):
     split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
-             + (" persistent" if cu.persistent else "") + (f" cluster {cu.cluster_n}" if cu.cluster_n > 1 else ""))
+             + (" persistent" if cu.persistent else ""))
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 

@@ -76,12 +76,8 @@ class GemmConfig:
     run the epilogue, whose store overlaps the next tile's main loop, and no CTA pays a launch
     and a pipeline fill per tile.
 
-    ``cluster_n=2`` (warp specialised, bf16) pairs the CTAs of neighbouring column blocks in a
-    cluster: each step's activation tile, which both need, is loaded once and multicast to
-    both, halving the activation traffic from L2 (a third to two thirds of a step's loads,
-    by the tile shape).
-    The 0.10 interpreter has no cluster barriers: it is lowering-tested here and checked by
-    the GPU bench."""
+    (Clusters of two CTAs multicasting each activation tile were tried on the H200 and were no
+    faster: bench/RESULTS.md, commit ``e9ca1d3``.)"""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
@@ -90,7 +86,6 @@ class GemmConfig:
     split: str = "m"
     swap_ab: bool = False
     persistent: bool = False
-    cluster_n: int = 1
 
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
@@ -101,10 +96,6 @@ class GemmConfig:
                              f"a multiple of 8 up to 256: {self}")
         if self.persistent and self.compute_wgs == 1:
             raise ValueError(f"persistent needs warp specialisation (compute_wgs > 1): {self}")
-        if self.cluster_n not in (1, 2) or (self.cluster_n > 1 and (
-                self.compute_wgs == 1 or self.persistent or self.swap_ab)):
-            raise ValueError(f"cluster_n is 1 or 2, and 2 needs warp specialisation, neither "
-                             f"persistent nor swap_ab: {self}")
 
     @property
     def rows(self) -> int:
@@ -196,10 +187,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
-    if quantized and cfg.cluster_n > 1:
-        raise NotImplementedError("fp8 weights with CTA clusters")
-    if (n // bn) % cfg.cluster_n:
-        raise ValueError(f"{n // bn} column blocks do not pair into clusters of {cfg.cluster_n}")
     swap = cfg.swap_ab
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
     # so interpreted runs read the B operand pre-transposed to [in, out]: the weights
@@ -266,8 +253,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
                                  delay_release=delay_release)
         x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s, mi), delay_release=delay_release)
-                  if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release,
-                                               collective_axes=("cluster",) if cfg.cluster_n > 1 else ()))
+                  if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release))
         return [x_spec] + [w_spec] * n_ops
 
     def mma(accs, x_smem, w_smem):
@@ -424,15 +410,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     tile(*divmod(info.index[0], n // bn))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             else:
-                tile(jax.lax.axis_index("m"), jax.lax.axis_index("n") * cfg.cluster_n
-                     + (jax.lax.axis_index("cluster") if cfg.cluster_n > 1 else 0))
+                tile(jax.lax.axis_index("m"), jax.lax.axis_index("n"))
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
         out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
-           else {"grid": (m // rows, n // bn // cfg.cluster_n), "grid_names": ("m", "n")}),
-        **({"cluster": (cfg.cluster_n,), "cluster_names": ("cluster",)} if cfg.cluster_n > 1 else {}),
+           else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))

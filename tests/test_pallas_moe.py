@@ -162,8 +162,6 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True), False),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), False),
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), False),
-    # clusters of two CTAs sharing each activation tile (the interpreter has no cluster barriers)
-    (GemmConfig(64, 128, 64, 4, 2, cluster_n=2), GemmConfig(64, 256, 64, 3, 2, cluster_n=2), False),
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
@@ -190,17 +188,15 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
 
 @pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},
                                 {"swap_ab": True, "compute_wgs": 2}, {"swap_ab": True, "block_m": 12},
-                                {"persistent": True}, {"cluster_n": 2}, {"cluster_n": 4, "compute_wgs": 2},
-                                {"cluster_n": 2, "compute_wgs": 2, "persistent": True}])
+                                {"persistent": True}])
 def test_gemm_config_rejects_a_split_it_cannot_do(kw):
-    with pytest.raises(ValueError, match="split|swap_ab|persistent|cluster_n"):
+    with pytest.raises(ValueError, match="split|swap_ab|persistent"):
         GemmConfig(**kw)
 
 
-@pytest.mark.parametrize("kw,match", [({"persistent": True}, "persistent"), ({"cluster_n": 2}, "cluster")])
-def test_fp8_weights_refuse_persistent_ctas_and_clusters(kw, match):
+def test_fp8_weights_refuse_persistent_ctas():
     sds = jax.ShapeDtypeStruct
     w = QuantizedWeight(sds((2, 256, 256), jnp.float8_e4m3fn), sds((2, 2, 2), jnp.float32))
-    with pytest.raises(NotImplementedError, match=match):
-        jax.jit(lambda x, a, i: grouped_matmul(x, a, i, cfg=GemmConfig(64, 128, 64, 2, 2, "n", **kw))).trace(
+    with pytest.raises(NotImplementedError, match="persistent"):
+        jax.jit(lambda x, a, i: grouped_matmul(x, a, i, cfg=GemmConfig(64, 128, 64, 2, 2, "n", persistent=True))).trace(
             sds((256, 256), jnp.bfloat16), w, sds((4,), jnp.int32))
