@@ -23,7 +23,8 @@ prefix (its first entry, the prefill's, does not depend on earlier tokens). A ch
 each result as it comes (``PART`` lines), so a mode cut by its time limit keeps what it did.
 Where a decode step's time goes (``decode_step``): each pass also runs once under the profiler,
 and the decode pass less the prefill pass gives per decode step the engine's host work and
-device wait (``Engine.stats``) and its kernels' GPU time (summed, and the 15 largest by name).
+device wait (``Engine.stats``), its kernels' GPU time (summed, and the 15 largest by name),
+its kernel launches (counted, and the 25 most launched) and the GPU's idle time between kernels.
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
@@ -116,12 +117,16 @@ def run_mode(mode: str, smoke: bool) -> None:
 
 def pass_totals(before, after, kernels) -> dict:
     """A pass's steps, the engine's host work (planning, dispatch, output processing) and wait
-    for the device (``Engine.stats``), and its kernels' GPU seconds by kernel name."""
-    by_name = {}
+    for the device (``Engine.stats``), its kernels' GPU seconds and launches by kernel name, and
+    the GPU's idle time between its first kernel's start and its last one's end."""
+    by_name, launches = {}, {}
     for _, name, us in kernels:
         by_name[name] = by_name.get(name, 0.0) + us / 1e6
+        launches[name] = launches.get(name, 0) + 1
+    span = (max(t + d for t, _, d in kernels) - kernels[0][0]) / 1e6 if kernels else 0.0
     return {"steps": after.steps - before.steps, "host_s": after.host_s - before.host_s,
-            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name}
+            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name, "launches": launches,
+            "gpu_idle_s": span - sum(by_name.values())}
 
 
 def decode_step(prefill: dict, decode: dict) -> dict:
@@ -129,10 +134,14 @@ def decode_step(prefill: dict, decode: dict) -> dict:
     steps) less the prefill pass, per decode step."""
     n = max(decode["steps"] - prefill["steps"], 1)
     kernels = {k: (v - prefill["kernel_s"].get(k, 0.0)) / n * 1e3 for k, v in decode["kernel_s"].items()}
+    launches = {k: (v - prefill["launches"].get(k, 0)) / n for k, v in decode["launches"].items()}
     return {"steps": n, "step_ms": (decode["wall_s"] - prefill["wall_s"]) / n * 1e3,
             "host_ms": (decode["host_s"] - prefill["host_s"]) / n * 1e3,
             "wait_ms": (decode["wait_s"] - prefill["wait_s"]) / n * 1e3, "kernel_ms": sum(kernels.values()),
-            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15])}
+            "gpu_idle_ms": (decode["gpu_idle_s"] - prefill["gpu_idle_s"]) / n * 1e3,
+            "launches": sum(launches.values()),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]),
+            "top_launches": dict(sorted(launches.items(), key=lambda kv: -kv[1])[:25])}
 
 
 def compare(ref: dict, got: dict) -> dict:
@@ -170,7 +179,8 @@ def main():
                          for k, v in json.loads(ln[len("PART "):]).items()}
         if failed:
             errors[mode] = failed
-        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "step_ms", "host_ms", "wait_ms", "kernel_ms")
+        summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "step_ms", "host_ms", "wait_ms", "kernel_ms",
+                                                    "gpu_idle_ms", "launches")
                        if f in v}
                    for k, v in results[mode].items()}
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)

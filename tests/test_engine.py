@@ -83,6 +83,39 @@ def test_mixed_workload_compiles_within_buckets(tiny):
     assert engine.scheduler.used_pages == 0
 
 
+def test_step_input_travels_as_one_buffer():
+    """pack_input/unpack_input rebuild every field exactly (bool, int32, float32 bits, uint32);
+    the ban mask stays apart; 8-byte arrays are refused."""
+    import jax
+
+    from model.batch import Batch
+    from serve.runner import SlotReset, StepInput, pack_input, unpack_input
+    from serve.sampling import SamplingArrays
+
+    rng = np.random.default_rng(0)
+    samp = SamplingArrays(*(rng.standard_normal(4).astype(np.float32) for _ in range(2)),
+                          rng.integers(-5, 5, 4).astype(np.int32),
+                          *(np.array([np.nan, -0.0, np.inf, 1e-45], np.float32) for _ in range(4)),
+                          rng.integers(0, 2**32, 4, dtype=np.uint64).astype(np.uint32),
+                          rng.integers(0, 99, 4).astype(np.int32))
+    inp = StepInput(Batch(rng.integers(-3, 9, 6).astype(np.int32), np.arange(6, dtype=np.int32),
+                          np.arange(6, dtype=np.int32)), rng.random(6) < 0.5, rng.random(6) < 0.5,
+                    np.arange(4, dtype=np.int32), np.array([0, 1, -1, -1], np.int32), samp,
+                    jnp.zeros((4, 7), bool), rng.integers(0, 50, (2, 3)).astype(np.int32),
+                    SlotReset(np.array([True, False]), *(np.array([3, 4], np.int32) for _ in range(3)),
+                              np.full((2, 2), -7, np.int32)))
+    buffer, ban, layout = pack_input(inp)
+    assert buffer.dtype == np.int32 and buffer.ndim == 1 and ban is inp.ban
+    hash(layout)
+    got = jax.jit(unpack_input, static_argnums=2)(buffer, ban, layout)
+    for a, b in zip(jax.tree.leaves(inp), jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()  # bit for bit: NaN, -0.0, subnormals
+    with pytest.raises(TypeError, match="4-byte"):
+        pack_input(inp._replace(logit_rows=np.arange(4)))  # int64
+
+
 def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
     """No while/scan in the step programs (prefill, decode, replay) of the code that both kernel
     modes share (model, sampler; traced here on the reference path): on the GPU XLA runs a loop
@@ -99,7 +132,7 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
 
     def spy(*args, **kw):
         avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, args)
-        seen.setdefault((str(jax.tree.map(jnp.shape, args[2])), kw["replay"]), (avals, kw))
+        seen.setdefault((args[2].shape, kw["replay"]), (avals, kw))
         return run_step(*args, **kw)
 
     def loops(jaxpr):
