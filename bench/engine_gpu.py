@@ -24,7 +24,8 @@ each result as it comes (``PART`` lines), so a mode cut by its time limit keeps 
 Where a decode step's time goes (``decode_step``): each pass also runs once under the profiler,
 and the decode pass less the prefill pass gives per decode step the engine's host work and
 device wait (``Engine.stats``), its kernels' GPU time (summed, and the 15 largest by name),
-its kernel launches (counted, and the 25 most launched) and the GPU's idle time between kernels.
+and its kernel launches and copies (counted, and the 25 most launched); ``prefill_kernels``: the
+prefill pass's kernels (all its steps: ``prefill["steps"]``), the 25 largest by GPU time.
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
@@ -113,20 +114,26 @@ def run_mode(mode: str, smoke: bool) -> None:
                     "steps": passes[name]["steps"],
                     "outputs": [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]})
     part("decode_step", decode_step(passes["prefill"], passes["decode"]))
+    part("prefill_kernels", top_kernels(passes["prefill"]))
 
 
 def pass_totals(before, after, kernels) -> dict:
     """A pass's steps, the engine's host work (planning, dispatch, output processing) and wait
-    for the device (``Engine.stats``), its kernels' GPU seconds and launches by kernel name, and
-    the GPU's idle time between its first kernel's start and its last one's end."""
+    for the device (``Engine.stats``), and its kernels' GPU seconds and launches by kernel name."""
     by_name, launches = {}, {}
     for _, name, us in kernels:
         by_name[name] = by_name.get(name, 0.0) + us / 1e6
         launches[name] = launches.get(name, 0) + 1
-    span = (max(t + d for t, _, d in kernels) - kernels[0][0]) / 1e6 if kernels else 0.0
     return {"steps": after.steps - before.steps, "host_s": after.host_s - before.host_s,
-            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name, "launches": launches,
-            "gpu_idle_s": span - sum(by_name.values())}
+            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name, "launches": launches}
+
+
+def top_kernels(one_pass: dict, n: int = 25) -> dict:
+    """A pass's kernel GPU time in all (ms) and its ``n`` largest kernels by name, with launches."""
+    ms = {k: v * 1e3 for k, v in one_pass["kernel_s"].items()}
+    return {"kernel_ms": sum(ms.values()), "launches": sum(one_pass["launches"].values()),
+            "top_kernels": {k: {"ms": v, "launches": one_pass["launches"][k]}
+                            for k, v in sorted(ms.items(), key=lambda kv: -kv[1])[:n]}}
 
 
 def decode_step(prefill: dict, decode: dict) -> dict:
@@ -138,7 +145,6 @@ def decode_step(prefill: dict, decode: dict) -> dict:
     return {"steps": n, "step_ms": (decode["wall_s"] - prefill["wall_s"]) / n * 1e3,
             "host_ms": (decode["host_s"] - prefill["host_s"]) / n * 1e3,
             "wait_ms": (decode["wait_s"] - prefill["wait_s"]) / n * 1e3, "kernel_ms": sum(kernels.values()),
-            "gpu_idle_ms": (decode["gpu_idle_s"] - prefill["gpu_idle_s"]) / n * 1e3,
             "launches": sum(launches.values()),
             "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]),
             "top_launches": dict(sorted(launches.items(), key=lambda kv: -kv[1])[:25])}
@@ -180,7 +186,7 @@ def main():
         if failed:
             errors[mode] = failed
         summary = {k: {f: round(v[f], 3) for f in ("first_s", "s", "init_s", "step_ms", "host_ms", "wait_ms", "kernel_ms",
-                                                    "gpu_idle_ms", "launches")
+                                                    "launches")
                        if f in v}
                    for k, v in results[mode].items()}
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)

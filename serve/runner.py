@@ -9,8 +9,8 @@ compilations is bounded; ``compile_count`` counts traces to prove it.
 
 The host's per-step arrays travel as one int32 buffer (``pack_input``), unpacked inside the
 step: each host array passed to a jitted call is its own host→device transfer, and on the
-H200 host each costs about 80 µs of dispatch time (22 arrays: 1.8 ms against 0.09 ms for one
-buffer, bench/RESULTS.md), time the overlap scheduler then cannot hide.
+H200's host each costs about 0.1 ms (the 22 arrays of a step: 2.4 ms against 0.16 ms for one
+buffer; bench/RESULTS.md), host time that held the GPU idle between steps.
 """
 from __future__ import annotations
 
