@@ -9,8 +9,11 @@ host time of 20 calls, the device idle before each (so no call waits for an earl
 * ``put_each``: ``jax.device_put`` of the step's host arrays one by one (how they travelled
   before ``pack_input``: a jitted call transfers each numpy argument on its own);
 * ``put_packed``: ``jax.device_put`` of the one packed buffer;
-* ``params_jit``: a jitted no-op taking the parameter pytree (what passing the weights' 200+
-  leaves costs a dispatch).
+* ``params_jit``: a jitted no-op taking the parameter pytree (what passing the weights'
+  leaves, 123 at these widths, costs a dispatch).
+
+Timed alone with the GPU idle, these host times run higher than inside the engine's loop
+(``engine_gpu.py``'s ``host_ms`` per step is the number that counts).
 
     python3 bench/dispatch_gpu.py            # on the H200, writes $OUT/dispatch_gpu.json
     python3 bench/dispatch_gpu.py --smoke    # CPU: toy widths

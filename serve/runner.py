@@ -8,9 +8,9 @@ token. Inputs are padded to a small fixed set of shapes (``Buckets``), so the nu
 compilations is bounded; ``compile_count`` counts traces to prove it.
 
 The host's per-step arrays travel as one int32 buffer (``pack_input``), unpacked inside the
-step: each host array passed to a jitted call is its own host→device transfer, and on the
-H200's host each costs about 0.1 ms (the 22 arrays of a step: 2.4 ms against 0.16 ms for one
-buffer; bench/RESULTS.md), host time that held the GPU idle between steps.
+step: each host array passed to a jitted call is its own host→device transfer, and with 22
+of them the host's time per decode step (1.66 ms) held the GPU idle between steps; one
+buffer brought it to 0.77 ms (H200, bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -133,7 +133,8 @@ def pack_input(inp: StepInput) -> tuple[np.ndarray, object, tuple]:
     unless some row bans tokens) bitcast or widened to int32 and concatenated; ``layout``
     (hashable, static) is what ``unpack_input`` needs to rebuild ``inp``."""
     leaves, tree = jax.tree.flatten(inp._replace(ban=None))
-    leaves = [np.asarray(x) for x in leaves]
+    if not all(isinstance(x, np.ndarray) for x in leaves):  # a device array would be waited for here
+        raise TypeError("step inputs other than the ban mask must be numpy arrays")
     wide = [x.dtype.name for x in leaves if x.dtype != bool and x.dtype.itemsize != 4]
     if wide:
         raise TypeError(f"step inputs must be bool or 4-byte arrays, got {wide}")

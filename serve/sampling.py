@@ -202,7 +202,7 @@ class SamplingArrays(NamedTuple):
         pad = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
                    frequency_penalty=0.0, presence_penalty=0.0, seed=0, step=0)
         dtypes = dict(top_k=np.int32, seed=np.uint32, step=np.int32)
-        # numpy: the jitted step takes them in one transfer (jnp.asarray would dispatch once per field)
+        # numpy: serve.runner.pack_input sends them with the step's other host arrays in one transfer
         return cls(**{k: np.array(v + [pad[k]] * (batch_size - n), dtypes.get(k, np.float32)) for k, v in cols.items()})
 
 

@@ -84,8 +84,9 @@ def test_mixed_workload_compiles_within_buckets(tiny):
 
 
 def test_step_input_travels_as_one_buffer():
-    """pack_input/unpack_input rebuild every field exactly (bool, int32, float32 bits, uint32);
-    the ban mask stays apart; 8-byte arrays are refused."""
+    """pack_input/unpack_input rebuild every field exactly (bool, int32, uint32, float32 bits:
+    NaN, -0.0, subnormals), each from its own place (every field holds its own random values);
+    the ban mask stays apart; 8-byte and device arrays are refused."""
     import jax
 
     from model.batch import Batch
@@ -93,17 +94,18 @@ def test_step_input_travels_as_one_buffer():
     from serve.sampling import SamplingArrays
 
     rng = np.random.default_rng(0)
-    samp = SamplingArrays(*(rng.standard_normal(4).astype(np.float32) for _ in range(2)),
-                          rng.integers(-5, 5, 4).astype(np.int32),
-                          *(np.array([np.nan, -0.0, np.inf, 1e-45], np.float32) for _ in range(4)),
-                          rng.integers(0, 2**32, 4, dtype=np.uint64).astype(np.uint32),
-                          rng.integers(0, 99, 4).astype(np.int32))
-    inp = StepInput(Batch(rng.integers(-3, 9, 6).astype(np.int32), np.arange(6, dtype=np.int32),
-                          np.arange(6, dtype=np.int32)), rng.random(6) < 0.5, rng.random(6) < 0.5,
-                    np.arange(4, dtype=np.int32), np.array([0, 1, -1, -1], np.int32), samp,
-                    jnp.zeros((4, 7), bool), rng.integers(0, 50, (2, 3)).astype(np.int32),
-                    SlotReset(np.array([True, False]), *(np.array([3, 4], np.int32) for _ in range(3)),
-                              np.full((2, 2), -7, np.int32)))
+    ints = lambda *shape: rng.integers(-2**31, 2**31, shape).astype(np.int32)  # noqa: E731
+    bools = lambda n: rng.random(n) < 0.5  # noqa: E731
+
+    def floats(n):
+        x = np.concatenate([[np.nan, -0.0, np.inf, 1e-45], rng.standard_normal(n - 4)]).astype(np.float32)
+        return rng.permutation(x)
+
+    s, t, b = 6, 5, 3  # sampled rows, tokens, slots
+    samp = SamplingArrays(floats(s), floats(s), ints(s), floats(s), floats(s), floats(s), floats(s),
+                          ints(s).view(np.uint32), ints(s))
+    inp = StepInput(Batch(ints(t), ints(t), ints(t)), bools(t), bools(t), ints(s), ints(s), samp,
+                    jnp.zeros((s, 7), bool), ints(b, 4), SlotReset(bools(b), ints(b), ints(b), ints(b), ints(b, 2)))
     buffer, ban, layout = pack_input(inp)
     assert buffer.dtype == np.int32 and buffer.ndim == 1 and ban is inp.ban
     hash(layout)
@@ -111,9 +113,11 @@ def test_step_input_travels_as_one_buffer():
     for a, b in zip(jax.tree.leaves(inp), jax.tree.leaves(got), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.tobytes() == b.tobytes()  # bit for bit: NaN, -0.0, subnormals
+        assert a.tobytes() == b.tobytes()
     with pytest.raises(TypeError, match="4-byte"):
-        pack_input(inp._replace(logit_rows=np.arange(4)))  # int64
+        pack_input(inp._replace(logit_rows=np.arange(s)))  # int64
+    with pytest.raises(TypeError, match="numpy"):
+        pack_input(inp._replace(logit_rows=jnp.arange(s)))  # would wait for the device
 
 
 def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
