@@ -94,8 +94,12 @@ def test_step_input_travels_as_one_buffer():
     from serve.sampling import SamplingArrays
 
     rng = np.random.default_rng(0)
-    ints = lambda *shape: rng.integers(-2**31, 2**31, shape).astype(np.int32)  # noqa: E731
-    bools = lambda n: rng.random(n) < 0.5  # noqa: E731
+
+    def ints(*shape):
+        return rng.integers(-2**31, 2**31, shape).astype(np.int32)
+
+    def bools(n):
+        return rng.random(n) < 0.5
 
     def floats(n):
         x = np.concatenate([[np.nan, -0.0, np.inf, 1e-45], rng.standard_normal(n - 4)]).astype(np.float32)
@@ -110,10 +114,10 @@ def test_step_input_travels_as_one_buffer():
     assert buffer.dtype == np.int32 and buffer.ndim == 1 and ban is inp.ban
     hash(layout)
     got = jax.jit(unpack_input, static_argnums=2)(buffer, ban, layout)
-    for a, b in zip(jax.tree.leaves(inp), jax.tree.leaves(got), strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.tobytes() == b.tobytes()
+    for sent, back in zip(jax.tree.leaves(inp), jax.tree.leaves(got), strict=True):
+        sent, back = np.asarray(sent), np.asarray(back)
+        assert sent.dtype == back.dtype and sent.shape == back.shape
+        assert sent.tobytes() == back.tobytes()
     with pytest.raises(TypeError, match="4-byte"):
         pack_input(inp._replace(logit_rows=np.arange(s)))  # int64
     with pytest.raises(TypeError, match="numpy"):
