@@ -588,16 +588,12 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                                       ).astype(jnp.bfloat16)
                     plgpu.commit_smem()
 
-                def consume(s, lo, hi, local, acc_ref):
-                    """With ``acc_ref`` (compiled) the output accumulates in place and each chunk's
-                    P @ V stays in flight until the next chunk's QK^T, which waits for both: the
-                    tensor cores run them back to back while this warpgroup waits for the next
-                    chunk's rows, and its slot is released after that wait. Without (interpreted,
-                    or MMAs skipped) the accumulator is a value and each P @ V is waited for."""
+                @for_my_split
+                def _consume(s, lo, hi, local):
                     # Split 0 starts from the sink; the others from an empty softmax, with a finite
                     # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
                     carry = (
-                        None if acc_ref is not None else cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
+                        cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
                         sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
                         cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
                     )
@@ -618,8 +614,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                             else:
                                 s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
-                            if acc_ref is not None:   # the previous chunk's P @ V is done too
-                                pl.when(g > lo)(lambda: plgpu.barrier_arrive(free_bar.at[(g - 1) % SLOTS]))
                             if "exchange" in skip:
                                 s = s_part * qk_scale
                             else:
@@ -633,10 +627,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             alpha = jnp.exp2(m - m_new)
                             prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                             l = l * alpha + prob.sum(axis=1)
-                            if acc_ref is not None:   # (nothing in flight: the load does not wait)
-                                acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (HEADS, dh), [0])
-                                plgpu.wgmma(acc_ref, prob.astype(jnp.bfloat16), my_kt)
-                                return acc, m_new, l
                             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                             if "mma" not in skip:
                                 acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
@@ -644,9 +634,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             return acc, m_new, l
 
                         carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
-                    if acc_ref is not None:   # the last P @ V: wait, then release its slot
-                        carry = (acc_ref[...], *carry[1:])
-                        plgpu.barrier_arrive(free_bar.at[(hi - 1) % SLOTS])
                     acc, m, l = carry
                     # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
                     # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
@@ -668,13 +655,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
                     plgpu.wait_smem_to_gmem(0)
-
-                @for_my_split
-                def _consume(s, lo, hi, local):
-                    if interpreting or "mma" in skip:
-                        return consume(s, lo, hi, local, None)
-                    pl.run_scoped(lambda acc_ref: consume(s, lo, hi, local, acc_ref),
-                                  plgpu.ACC((HEADS, dh), jnp.float32))
 
         # K/V slots: bf16 tiles, and for fp8 pools the fp8 view of the same bytes (plus the same
         # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
