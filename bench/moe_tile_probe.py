@@ -14,10 +14,19 @@ trace), at V4.1-Flash expert shapes (6 local experts, D 5120, I 2304, balanced r
 * ``down[cfg]`` and ``down einsum``: the down projection ``[rows, I] x [E, D, I]`` at tile
   widths that divide D = 5120 (cuBLAS picks 168-176 wide tiles there).
 
+``--pallas-matmul`` instead asks whether Pallas can reach cuBLAS on these GEMMs at all: JAX's
+own Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: persistent,
+warp specialised, tiled epilogue, swizzled grid) at a few tilings, against ``jnp.dot``
+(cuBLAS), both on the dense equivalents of the expert GEMMs (``M = E * tokens`` rows; one
+weight ``[K, N]``, the layout that kernel reads): gate|up (K = D, N = 2I) and down (K = I,
+N = D).
+
     python3 bench/moe_tile_probe.py         # on the H200, writes $OUT/moe_tile_probe.json
+    python3 bench/moe_tile_probe.py --pallas-matmul   # writes $OUT/pallas_matmul_probe.json
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -95,5 +104,48 @@ def main():
     write("moe_tile_probe", {**info, "ceilings": ceil, "rows": rows})
 
 
+def pallas_matmul():
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    info, rows = run_info(), []
+    ceil = ceilings()
+    dims = hm.MatmulDimension
+    tilings = [dict(tile_m=128, tile_n=128, wg_dimension=dims.N), dict(tile_m=128, tile_n=128, wg_dimension=dims.M),
+               dict(tile_m=64, tile_n=256, wg_dimension=dims.M), dict(tile_m=128, tile_n=64, wg_dimension=dims.N)]
+    key = jax.random.key(1)
+    for t in (256, 1024, 4096):
+        for gemm, k_, n_ in (("gate|up", D, 2 * I), ("down", I, D)):
+            m_ = E * t
+            a = jax.random.normal(jax.random.fold_in(key, t), (m_, k_), jnp.bfloat16)
+            b = 0.02 * jax.random.normal(jax.random.fold_in(key, n_), (k_, n_), jnp.bfloat16)
+            want = jnp.dot(a, b, preferred_element_type=jnp.float32)
+            flops = 2 * m_ * k_ * n_
+            variants = [("jnp.dot (cuBLAS)", jax.jit(jnp.dot), None)]
+            for tl in tilings:
+                for steps, width in ((4, 8), (3, 4)):
+                    try:
+                        cfg = hm.TuningConfig(tile_k=64, max_concurrent_steps=steps, grid_tile_width=width, **tl)
+                    except TypeError as e:  # the kernel's config changed between JAX versions
+                        rows.append({"impl": "hopper_matmul_mgpu", "error": repr(e)[:300]})
+                        continue
+                    label = f"hopper_matmul_mgpu[{tl['tile_m']}x{tl['tile_n']} wg {tl['wg_dimension']}, {steps} steps, width {width}]"
+                    variants.append((label, jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)), want))
+            for impl, fn, ref in variants:
+                row = {"case": {"tokens_per_expert": t, "gemm": gemm, "M": m_, "K": k_, "N": n_}, "impl": impl,
+                       "roofline_us": flops / ceil["matmul_TFLOPs"] / 1e6}
+                try:
+                    if ref is not None:
+                        row["rel_err"] = rel_err(fn(a, b), ref)
+                    ks = gpu_kernels(fn, a, b)
+                    row["kernels_us"] = ks
+                    row["us"] = sum(us for _, us in ks)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:500]
+                rows.append(row)
+                print(t, gemm, impl, row.get("us"), row.get("rel_err"), row.get("error", ""), flush=True)
+    write("pallas_matmul_probe", {**info, "ceilings": ceil, "rows": rows})
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pallas-matmul", action="store_true", help="JAX's Hopper matmul against cuBLAS instead")
+    pallas_matmul() if ap.parse_args().pallas_matmul else main()
