@@ -40,17 +40,17 @@ from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swig
 
 E, D, I, LIMIT = 6, 5120, 2304, 10.0
 SWIGLU = {256: GemmConfig(64, 128, 64, 4, compute_wgs=2), 1024: GemmConfig(64, 128, 64, 4, compute_wgs=2),
-          4096: GemmConfig(128, 64, 64, 3, compute_wgs=2)}
-W13 = [GemmConfig(64, 128, 64, 5, compute_wgs=2), GemmConfig(64, 144, 64, 5, compute_wgs=2),
-       GemmConfig(64, 192, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2),
-       GemmConfig(128, 128, 64, 3, compute_wgs=2), GemmConfig(128, 144, 64, 3, compute_wgs=2)]
-DOWN = [GemmConfig(64, 256, 64, 3, compute_wgs=2), GemmConfig(64, 160, 64, 5, compute_wgs=2),
-        GemmConfig(64, 128, 64, 5, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2),
-        GemmConfig(128, 160, 64, 2, compute_wgs=2), GemmConfig(128, 80, 64, 4, compute_wgs=2)]
+          4096: GemmConfig(128, 64, 64, 3, compute_wgs=2)}   # mega.moe's
+SWIGLU_PERSISTENT = [GemmConfig(64, 128, 64, 3, compute_wgs=2, persistent=True),
+                     GemmConfig(64, 128, 64, 4, compute_wgs=2, persistent=True)]
+W13 = [GemmConfig(64, 256, 64, 3, compute_wgs=2), GemmConfig(64, 256, 64, 4, compute_wgs=2, persistent=True),
+       GemmConfig(128, 128, 64, 4, compute_wgs=2, persistent=True)]
+DOWN = [GemmConfig(64, 256, 64, 3, compute_wgs=2), GemmConfig(64, 256, 64, 4, compute_wgs=2, persistent=True),
+        GemmConfig(128, 128, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 4, compute_wgs=2, persistent=True)]
 
 
 def name(c):
-    return f"{c.block_m}x{c.block_n}x{c.block_k}/{c.stages}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}/{c.stages}" + (" persistent" if c.persistent else "")
 
 
 def main():
@@ -68,10 +68,10 @@ def main():
         want = jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w13, preferred_element_type=jnp.float32)
         want = want.reshape(E * t, 2 * I)
         variants = [("einsum", jax.jit(lambda x, w: jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w)), (x, w13), None)]
-        c = SWIGLU[t]
-        be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
-        variants.append((f"swiglu[{name(c)}]", jax.jit(lambda x, a, b, be, c=c: grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=c)),
-                         (x, w1, w3, be), None))
+        for c in [SWIGLU[t]] + SWIGLU_PERSISTENT:
+            be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
+            variants.append((f"swiglu[{name(c)}]", jax.jit(lambda x, a, b, be, c=c: grouped_swiglu(
+                x, a, b, be, limit=LIMIT, cfg=c)), (x, w1, w3, be), None))
         for c in W13:
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
             if (2 * I) % c.block_n or t % c.rows:

@@ -140,6 +140,13 @@ def _one_expert(w):
     return QuantizedWeight(w.q[None], w.scale[None]) if isinstance(w, QuantizedWeight) else w[None]
 
 
+# Warp specialised, each compute warpgroup stores its output tile in [rows, 64] pieces (bf16:
+# 128-byte rows) through two swizzled shared-memory slots, as JAX's Hopper matmul does: the
+# register -> shared stores are bank-conflict free, a piece's TMA store overlaps the next
+# piece's, and 2 x 16 KB instead of a whole 64 x 256 tile leaves room for a fourth stage.
+EPI_COLS = 64
+
+
 def swiglu_f32(gate, up, limit: float):
     """Clamped SwiGLU in fp32; written with ops the Mosaic GPU lowering supports."""
     if limit > 0:
@@ -275,14 +282,21 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         out = out.astype(o_smem.dtype)
         if cfg.persistent:  # the last tile's store has read o_smem
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if not swap:
+        if o_smem.ndim == 3:  # two swizzled [rows, 64] slots: the tile goes out in pieces
+            for j in range(out.shape[1] // EPI_COLS):
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the piece before last has been read
+                o_smem[j % 2] = out[:, j * EPI_COLS:(j + 1) * EPI_COLS]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[j % 2], o_gmem.at[:, pl.ds(j * EPI_COLS, EPI_COLS)])
+        elif not swap:
             o_smem[...] = out
         elif x_km:  # the interpreter stores no transposed view
             o_smem[...] = out.T
         else:       # the [cols, rows] accumulator, stored as rows through a transposed view
             transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        if o_smem.ndim == 2:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         if not cfg.persistent:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -363,7 +377,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
-                           o_smem=plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
+                           o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), lhs.dtype, transforms=(
+                               plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
+                           if bc % EPI_COLS == 0 else plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
                                 plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
                                            jnp.bfloat16),

@@ -39,9 +39,10 @@ def rel(a, b):
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2),
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n"),
                                  GemmConfig(16, 64, 64, 2, swap_ab=True),
-                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True)],
+                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True),
+                                 GemmConfig(64, 128, 64, 2, compute_wgs=2, persistent=True)],
                          ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n", "swap-ab",
-                              "persistent"])
+                              "persistent", "persistent-two-store-pieces"])
 def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3; the gate/up
     kernel scales each row by its routing weight in the epilogue."""
@@ -162,6 +163,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True), False),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), False),
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), False),
+    (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 4, 2, persistent=True), False),
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
