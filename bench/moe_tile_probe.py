@@ -95,22 +95,6 @@ def main():
         be0 = jnp.zeros((E * t // c.rows,), jnp.int32)
         variants.append((f"down one expert[{name(c)}]", jax.jit(lambda h, w, be, c=c: grouped_matmul(h, w, be, cfg=c)),
                          (h, w2[:1], be0), jnp.dot(h, w2[0].T, preferred_element_type=jnp.float32)))
-        import pallas_kernels.grouped_gemm as gg
-
-        def kn(fn):
-            def run(*a):
-                gg._KN_PROBE = True
-                try:
-                    return fn(*a)
-                finally:
-                    gg._KN_PROBE = False
-            return run
-        for c in DOWN[:2]:
-            be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
-            variants.append((f"down kn[{name(c)}]", kn(jax.jit(lambda h, w, be, c=c: grouped_matmul(h, w, be, cfg=c))),
-                             (h, w2, be), down_want.reshape(E * t, D)))
-        variants.append((f"down one expert kn[{name(DOWN[1])}]", kn(jax.jit(lambda h, w, be: grouped_matmul(h, w, be, cfg=DOWN[1]))),
-                         (h, w2[:1], be0), jnp.dot(h, w2[0].T, preferred_element_type=jnp.float32)))
         for impl, fn, args, ref in variants:
             row = {"case": {"tokens_per_expert": t, "E": E, "D": D, "I": I}, "impl": impl,
                    "roofline_us": roof_down_us if impl.startswith("down") else roof_us}

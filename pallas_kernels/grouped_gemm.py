@@ -145,7 +145,6 @@ def _one_expert(w):
 # register -> shared stores are bank-conflict free, a piece's TMA store overlaps the next
 # piece's, and 2 x 16 KB instead of a whole 64 x 256 tile leaves room for a fourth stage.
 EPI_COLS = 64
-_KN_PROBE = False  # (temporary: bench/moe_tile_probe.py times [K, N] weight tiles on the GPU)
 
 
 def swiglu_f32(gate, up, limit: float):
@@ -199,7 +198,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
     # so interpreted runs read the B operand pre-transposed to [in, out]: the weights
     # ([E, in, out]), or the rows ([K, M]) when swapped; the GPU reads both as they are.
-    kn = (interpret is not None or _KN_PROBE) and not swap
+    kn = interpret is not None and not swap
     x_km = interpret is not None and swap
     a_in_registers = swap and interpret is None  # dequantised fp8 weight tiles as wgmma's A
     if kn:
