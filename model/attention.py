@@ -115,8 +115,18 @@ def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: 
 
 
 def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """``[N]`` scores of one query (``q [H, d]``, head weights ``w [H]``) against ``keys [N, d]``."""
-    s = jnp.einsum("hd,nd->hn", q, keys.astype(jnp.float32), precision=HIGHEST)
+    """``[N]`` scores of one query (``q [H, d]``, head weights ``w [H]``) against ``keys [N, d]``.
+
+    With the FP4 quantiser on (``quant.fp4_block32_active``) q and the keys hold e2m1 values
+    times powers of two, which bf16 represents exactly, and the products of two of them fit
+    fp32 exactly: so the dot products run on bf16 operands with fp32 accumulation (the tensor
+    cores on a GPU, instead of fp32 FMAs) and differ from fp32 ones at most in summation order.
+    """
+    if quant.fp4_block32_active(cfg.index_head_dim):
+        s = jnp.einsum("hd,nd->hn", q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+    else:
+        s = jnp.einsum("hd,nd->hn", q, keys.astype(jnp.float32), precision=HIGHEST)
     s = jax.nn.relu(s) * cfg.index_head_dim ** -0.5
     return jnp.einsum("h,hn->n", w, s, precision=HIGHEST)
 

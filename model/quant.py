@@ -70,9 +70,15 @@ def fp8_block32(x: jnp.ndarray) -> jnp.ndarray:
     return (_blocks(q, 32) * scale[..., None]).reshape(x.shape).astype(x.dtype)
 
 
+def fp4_block32_active(dim: int) -> bool:
+    """Whether ``fp4_block32`` quantises vectors of ``dim`` channels (it passes others through:
+    MODEL_SPEC §11.3)."""
+    return dim % 32 == 0
+
+
 def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
     """Indexer q/k quantiser: e2m1 with one power-of-two scale per 32 channels."""
-    if x.shape[-1] % 32:
+    if not fp4_block32_active(x.shape[-1]):
         return x
     b = _blocks(x, 32)
     scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))

@@ -1,6 +1,7 @@
 """Quantisers, RoPE tables and Engram hashing against independent host implementations."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -72,6 +73,23 @@ def test_indivisible_dims_stay_unquantised():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 40)).astype(np.float32))
     for fn in (quant.fp8_block32, quant.fp4_block32, quant.nvfp4_block16):
         np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(x))
+
+
+@pytest.mark.parametrize("head_dim", [128, 40])   # FP4 quantiser on (bf16 operands) / off (fp32)
+def test_index_scores_match_float64(head_dim):
+    """Indexer scores against float64: with FP4-quantised q and keys the bf16-operand products
+    are exact (only fp32 summation rounds); with the quantiser off the fp32 path must be taken,
+    since these unquantised values would lose ~3 digits in bf16."""
+    from model.attention import index_scores
+    cfg = dataclasses.replace(flash_config(), index_head_dim=head_dim)
+    rng = np.random.default_rng(3)
+    span = np.exp2(rng.integers(-6, 7, size=(1, head_dim)))      # channels of very different scales
+    q, k = (quant.fp4_block32(jnp.asarray(rng.normal(size=(n, head_dim)) * span, jnp.float32)) for n in (8, 50))
+    w = rng.normal(size=8).astype(np.float32)
+    got = np.asarray(index_scores(q, jnp.asarray(w), k, cfg))
+    dots = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+    want = w.astype(np.float64) @ np.maximum(dots, 0) / np.sqrt(head_dim)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_rope_tables_match_reference():
