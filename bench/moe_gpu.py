@@ -60,7 +60,6 @@ CONFIGS = [  # (gate/up config, down config); a pair shares its rows per CTA
     (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)),
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 256, 64, 4)),
     (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 3, 2)),
-    (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 256, 64, 4, 2, persistent=True)),   # mega.moe's, 128-1023 rows
     (GemmConfig(128, 64, 64, 3, 2), GemmConfig(128, 128, 64, 3, 2)),
 ]
 # fp8 weights (tiles within a 128 x 128 scale block): the 64-wide one-warpgroup tiles need
