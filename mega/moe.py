@@ -96,13 +96,12 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     that one warpgroup per 64-row tile (swapped or not: within the run-to-run spread); from
     128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win, each with 128 rows
     from 1024 rows per expert (up to 8% faster at 4096; below that, a 256-row alignment pads
-    a skewed load's experts by more than it gains). Below 1024 the down GEMM's CTAs persist
-    over 64 x 256 tiles with four stages (3-4% faster than three stages per launched CTA).
+    a skewed load's experts by more than it gains).
     """
     if n_rows >= 1024 * n_experts:
         cfgs = GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2)
     elif n_rows >= 128 * n_experts:
-        cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 4, compute_wgs=2, persistent=True)
+        cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)
     elif n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)
     else:

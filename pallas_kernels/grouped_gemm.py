@@ -39,10 +39,9 @@ prefill sizes ``h`` is ``I/D`` = 45% of the activations, read once.
 Grid: one CTA per (row block, column block), column blocks fastest (Mosaic GPU makes the
 last grid axis CUDA's x), so CTAs that run together share their row block's activation tile
 in L2 and, at decode sizes, cover every weight tile once. ``GemmConfig.persistent`` instead
-runs one warp-specialised CTA per SM over the tiles in the same order; on the H200 it is
-within the call-to-call spread of the plain grid for gate/up, and 3-4% faster for the down
-GEMM's 64 x 256 tiles with the fourth stage that the piecewise epilogue (``EPI_COLS``) leaves
-room for (bench/RESULTS.md), which ``mega.moe`` runs from 128 to 1023 rows per expert.
+runs one warp-specialised CTA per SM over the tiles in the same order; on the H200 it was
+within the call-to-call spread of the plain grid (bench/RESULTS.md), so ``mega.moe`` keeps
+the plain grid.
 """
 from __future__ import annotations
 
