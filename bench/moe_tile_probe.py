@@ -6,13 +6,17 @@ same activation tile; cuBLAS's GEMM for the XLA einsum (``nvjet ... 144x128``) r
 tile and 2.9 waves at T256 where ours runs 1.64. This probe times, per GPU kernel (profiler
 trace), at V4.1-Flash expert shapes (6 local experts, D 5120, I 2304, balanced rows):
 
-* ``swiglu[cfg]``: ``grouped_swiglu(x, w1, w3)`` with ``mega.moe``'s config for the size;
+* ``swiglu[cfg]``: ``grouped_swiglu(x, w1, w3)`` with ``mega.moe``'s config for the size,
+  then persistent three- and four-stage variants;
 * ``w13 matmul[cfg]``: ``grouped_matmul(x, w13)`` over the stacked ``[E, 2I, D]`` weight, one
   operand whose tile is ``block_n`` rows of it (the fused layout's GEMM, without the SwiGLU
   epilogue, writing 2I columns);
 * ``einsum``: XLA's batched einsum over the same stacked weight (the peer's kernel);
 * ``down[cfg]`` and ``down einsum``: the down projection ``[rows, I] x [E, D, I]`` at tile
-  widths that divide D = 5120 (cuBLAS picks 168-176 wide tiles there).
+  widths that divide D = 5120 (cuBLAS picks 168-176 wide tiles there);
+* ``down one expert[cfg]``: the same GEMM with every row through expert 0, whose 24 MB weight
+  stays in L2: what the kernel does without six experts' weights streaming from HBM (the
+  condition of ``--pallas-matmul``'s dense GEMMs).
 
 ``--pallas-matmul`` instead asks whether Pallas can reach cuBLAS on these GEMMs at all: JAX's
 own Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: persistent,
