@@ -136,15 +136,18 @@ def test_mhc_step_matches_numpy():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_engram_matches_numpy(fp8):
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])   # the model's: wkv and a float table
+def test_engram_matches_numpy(fp8, dtype):
+    """In a bf16 model the projection runs on bf16 operands (its inputs are exact in bf16), in
+    an fp32 one in fp32; either way it matches float64 of the stored values."""
     rng = np.random.default_rng(7 + fp8)
     t, hc, d, rows, hd, cols, eps = 6, 4, 16, 50, 64, 3, 1e-20
     h = rng.normal(size=(t, hc, d)).astype(np.float32)
-    table = rng.normal(size=(rows, hd)).astype(np.float32)
+    table = rng.normal(size=(rows, hd)).astype(dtype)
     scale = np.exp2(rng.integers(-3, 3, size=(rows, hd // 32))).astype(np.float32)
     if fp8:
         table = table.astype(ml_dtypes.float8_e4m3fn)
-    p = {"table": table, "scale": scale, "wkv": (rng.normal(size=(d * (hc + 1), cols * hd)) / 8).astype(np.float32),
+    p = {"table": table, "scale": scale, "wkv": (rng.normal(size=(d * (hc + 1), cols * hd)) / 8).astype(dtype),
          "q_weight": (1 + 0.2 * rng.normal(size=(hc, d))).astype(np.float32),
          "k_weight": (1 + 0.2 * rng.normal(size=(hc, d))).astype(np.float32)}
     ids = rng.integers(0, rows, size=(t, cols)).astype(np.int32)
@@ -153,7 +156,7 @@ def test_engram_matches_numpy(fp8):
     vals = table.astype(np.float64)
     if fp8:
         vals = (vals.reshape(rows, -1, 32) * scale[..., None]).reshape(rows, hd)
-    kv = vals[ids].reshape(t, -1) @ p["wkv"].T.astype(np.float64)
+    kv = vals[ids].reshape(t, -1) @ p["wkv"].T.astype(np.float64)   # (of the stored, possibly bf16, values)
     key, value = kv[:, :hc * d].reshape(t, hc, d), kv[:, hc * d:]
     omega = p["q_weight"] * p["k_weight"]
     hh = h.astype(np.float64)
