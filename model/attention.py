@@ -60,11 +60,13 @@ def compress(x: jnp.ndarray, p: dict, ratio: int, info: StepInfo, tail_kv: jnp.n
     Token ``t`` completes group ``pos // ratio`` when ``pos % ratio == ratio - 1``; its latent
     pools the group's members from this step or from the pending tail.
     """
-    k = linear(x.astype(jnp.float32), p["wkv"].astype(jnp.float32))
+    # fp32 projections (MODEL_SPEC §11.4) of operands in the model dtype: a bf16 model's
+    # products are exact in its bf16 GEMMs' fp32 accumulators (tensor cores, not fp32 FMAs)
+    k = linear(x, p["wkv"])
     completes = info.valid & (info.pos % ratio == ratio - 1)
     if ratio == 1:
         return rms_norm(k.astype(x.dtype), p["norm"], eps), completes, tail_kv, tail_gate
-    g = linear(x.astype(jnp.float32), p["wgate"].astype(jnp.float32))
+    g = linear(x, p["wgate"])
     t = jnp.arange(x.shape[0])
     members_k, members_g = [], []
     for j in range(ratio):
