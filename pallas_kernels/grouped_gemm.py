@@ -31,6 +31,11 @@ bench/RESULTS.md). With swapped tiles (``swap_ab``) the weight is the wgmma's A 
 Hopper reads from registers: the converted tile goes from registers straight into the wgmma,
 with no bf16 copy through shared memory and no fence.
 
+Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
+the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
+L2-resident expert, and six experts' weights streaming from HBM cost another 5-10%. A fused
+``w13`` operand (one N = 256 wgmma for gate|up) gained 0-2%: the weights keep the HF layout.
+
 Why two launches and not one: the down GEMM needs every ``h`` column of a row block, which
 the gate/up CTAs produce across the N grid; a single persistent kernel would need a
 grid-wide dependency per row block. At decode sizes the cost is one extra launch, at

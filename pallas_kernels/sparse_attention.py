@@ -85,6 +85,8 @@ included), so a persistent grid that hid one token's prologue and epilogue behin
 previous token's chunks would save at most ~11% (prefill) to ~20% (decode). Overlapping one
 chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed
 a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
+Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
+was measured no faster (bench/RESULTS.md): the wgmma wait between them is not the cost.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
