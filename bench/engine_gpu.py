@@ -25,7 +25,8 @@ Where a decode step's time goes (``decode_step``): each pass also runs once unde
 and the decode pass less the prefill pass gives per decode step the engine's host work and
 device wait (``Engine.stats``), its kernels' GPU time (summed, and the 15 largest by name),
 and its kernel launches and copies (counted, and the 25 most launched); ``prefill_kernels``: the
-prefill pass's kernels (all its steps: ``prefill["steps"]``), the 25 largest by GPU time.
+prefill pass's kernels (all its steps: ``prefill["steps"]``), the 25 largest by GPU time, and
+the pass's wall, host-work and device-wait milliseconds.
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
@@ -114,7 +115,9 @@ def run_mode(mode: str, smoke: bool) -> None:
                     "steps": passes[name]["steps"],
                     "outputs": [{"ids": r["output_ids"], "logprobs": r["token_logprobs"]} for r in res]})
     part("decode_step", decode_step(passes["prefill"], passes["decode"]))
-    part("prefill_kernels", top_kernels(passes["prefill"]))
+    pre = passes["prefill"]
+    part("prefill_kernels", {**top_kernels(pre), "wall_ms": pre["wall_s"] * 1e3, "host_ms": pre["host_s"] * 1e3,
+                             "wait_ms": pre["wait_s"] * 1e3})
 
 
 def pass_totals(before, after, kernels) -> dict:
