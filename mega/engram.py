@@ -32,14 +32,12 @@ def engram(residual: jnp.ndarray, update: Update | None, hash_ids: jnp.ndarray, 
     residual = hc_expand(residual, update)
     t, hc, d = residual.shape
     rows = lookup_rows(p["table"], p["scale"], hash_ids)
-    # A bf16 model's rows are bf16 values or e4m3 times power-of-two (UE8M0) scales, exact in
-    # bf16 as wkv is: the projection then runs on bf16 operands with fp32 accumulation (the
-    # tensor cores, not fp32 FMAs: 4.2 of a 4096-token step's 52 ms on the H200 in fp32) and
-    # differs from the fp32 product only in summation order.
-    if p["wkv"].dtype == jnp.bfloat16:
-        kv = linear(rows.astype(jnp.bfloat16), p["wkv"])
-    else:
-        kv = linear(rows, p["wkv"].astype(jnp.float32))
+    # With a bf16 wkv and a bf16 table, or an e4m3 one with its power-of-two (UE8M0) scales,
+    # every operand is exact in bf16: the projection then runs on bf16 operands with fp32
+    # accumulation (the tensor cores, not fp32 FMAs: 4.2 of a 4096-token step's 52 ms on the
+    # H200 in fp32) and differs from the fp32 product only in summation order.
+    exact = p["wkv"].dtype == jnp.bfloat16 and p["table"].dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
+    kv = linear(rows.astype(jnp.bfloat16) if exact else rows, p["wkv"])
     key, value = kv[:, :hc * d].reshape(t, hc, d), kv[:, hc * d:]
     omega = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)
     h = residual.astype(jnp.float32)

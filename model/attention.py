@@ -60,7 +60,7 @@ def compress(x: jnp.ndarray, p: dict, ratio: int, info: StepInfo, tail_kv: jnp.n
     Token ``t`` completes group ``pos // ratio`` when ``pos % ratio == ratio - 1``; its latent
     pools the group's members from this step or from the pending tail.
     """
-    # fp32 projections (MODEL_SPEC §11.4) of operands in the model dtype: a bf16 model's
+    # fp32 projections (MODEL_SPEC §3.7) of operands in the model dtype: a bf16 model's
     # products are exact in its bf16 GEMMs' fp32 accumulators (tensor cores, not fp32 FMAs)
     k = linear(x, p["wkv"])
     completes = info.valid & (info.pos % ratio == ratio - 1)
@@ -98,10 +98,11 @@ def index_keys(latent: jnp.ndarray, p: dict, positions: jnp.ndarray, cfg: ModelC
 
 
 # Bytes the indexer's per-token intermediates may take in one pass: each scored token gathers
-# its request's keys ([N, d], fp32 in the product) and keeps per-head scores ([H, N] fp32) up to
-# the head sum. Past this (long contexts times prefill-sized steps: 128K context scores 409
-# tokens a pass) the step's tokens are scored in chunks, so memory stays bounded; the chunks
-# are a loop, which the GPU runs from the host, so decode-sized steps should stay below it.
+# its request's keys ([N, d], counted as fp32: bf16 with the FP4 quantiser on) and keeps
+# per-head scores ([H, N] fp32) up to the head sum. Past this (long contexts times
+# prefill-sized steps: 128K context scores 409 tokens a pass) the step's tokens are scored in
+# chunks, so memory stays bounded; the chunks are a loop, which the GPU runs from the host,
+# so decode-sized steps should stay below it.
 # (A fused indexer kernel, reading each request's keys once, is what would make this fast.)
 INDEX_PASS_BYTES = 8 << 30
 

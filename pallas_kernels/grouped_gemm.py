@@ -145,10 +145,11 @@ def _one_expert(w):
     return QuantizedWeight(w.q[None], w.scale[None]) if isinstance(w, QuantizedWeight) else w[None]
 
 
-# Warp specialised, each compute warpgroup stores its output tile in [rows, 64] pieces (bf16:
-# 128-byte rows) through two swizzled shared-memory slots, as JAX's Hopper matmul does: the
+# Warp specialised, each compute warpgroup stores a bf16 output tile in [rows, 64] pieces
+# (128-byte rows) through two swizzled shared-memory slots, as JAX's Hopper matmul does: the
 # register -> shared stores are bank-conflict free, a piece's TMA store overlaps the next
-# piece's, and 2 x 16 KB instead of a whole 64 x 256 tile leaves room for a fourth stage.
+# piece's, and two 8 KB slots (64 rows) instead of a whole 32 KB 64 x 256 tile leave room for
+# a fourth stage.
 EPI_COLS = 64
 
 
@@ -384,7 +385,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
                            o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), lhs.dtype, transforms=(
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
-                           if bc % EPI_COLS == 0 else plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
+                           if bc % EPI_COLS == 0 and lhs.dtype == jnp.bfloat16
+                           else plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
                                 plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
                                            jnp.bfloat16),

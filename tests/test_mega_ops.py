@@ -1,6 +1,7 @@
 """Each mega/ operator against a direct numpy (float64) implementation of MODEL_SPEC, on fresh random inputs."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -163,3 +164,8 @@ def test_engram_matches_numpy(fp8, dtype):
     dot = (hh * omega * key).sum(-1) / np.sqrt((hh ** 2).mean(-1) + eps) / np.sqrt((key ** 2).mean(-1) + eps) / np.sqrt(d)
     gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
     np.testing.assert_allclose(got, hh + gate[..., None] * value[:, None, :], rtol=1e-4, atol=1e-4)
+    # and the projection runs on bf16 operands only where all of them are exact in bf16
+    hlo = jax.jit(lambda h, i, q: engram(h, None, i, q, eps=eps)).lower(
+        jnp.asarray(h), jnp.asarray(ids), {k: jnp.asarray(v) for k, v in p.items()}).as_text()
+    operand = "bf16" if dtype == ml_dtypes.bfloat16 else "f32"
+    assert f"(tensor<{t}x{cols * hd}x{operand}>, tensor<{d * (hc + 1)}x{cols * hd}x{operand}>)" in hlo

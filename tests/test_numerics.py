@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -90,6 +91,10 @@ def test_index_scores_match_float64(head_dim):
     dots = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
     want = w.astype(np.float64) @ np.maximum(dots, 0) / np.sqrt(head_dim)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # and the q . k product runs on the operand type the quantiser allows
+    hlo = jax.jit(lambda *a: index_scores(*a, cfg)).lower(q, jnp.asarray(w), k).as_text()
+    operand = "bf16" if head_dim % 32 == 0 else "f32"
+    assert f"(tensor<8x{head_dim}x{operand}>, tensor<50x{head_dim}x{operand}>) -> tensor<8x50xf32>" in hlo
 
 
 def test_rope_tables_match_reference():
