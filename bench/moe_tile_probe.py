@@ -7,7 +7,8 @@ tile and 2.9 waves at T256 where ours runs 1.64. This probe times, per GPU kerne
 trace), at V4.1-Flash expert shapes (6 local experts, D 5120, I 2304, balanced rows):
 
 * ``swiglu[cfg]``: ``grouped_swiglu(x, w1, w3)`` with ``mega.moe``'s config for the size,
-  then persistent three- and four-stage variants;
+  then persistent three- and four-stage variants (checked against the fp32 SwiGLU of the
+  einsum's products);
 * ``w13 matmul[cfg]``: ``grouped_matmul(x, w13)`` over the stacked ``[E, 2I, D]`` weight, one
   operand whose tile is ``block_n`` rows of it (the fused layout's GEMM, without the SwiGLU
   epilogue, writing 2I columns);
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ceilings, gpu_kernels, rel_err, run_info, write  # noqa: E402
 
-from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu  # noqa: E402
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32  # noqa: E402
 
 E, D, I, LIMIT = 6, 5120, 2304, 10.0
 SWIGLU = {256: GemmConfig(64, 128, 64, 4, compute_wgs=2), 1024: GemmConfig(64, 128, 64, 4, compute_wgs=2),
@@ -73,10 +74,11 @@ def main():
         want = jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w13, preferred_element_type=jnp.float32)
         want = want.reshape(E * t, 2 * I)
         variants = [("einsum", jax.jit(lambda x, w: jnp.einsum("etd,eid->eti", x.reshape(E, t, D), w)), (x, w13), None)]
+        want_h = swiglu_f32(want[:, :I], want[:, I:], LIMIT)
         for c in [SWIGLU[t]] + SWIGLU_PERSISTENT:
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
             variants.append((f"swiglu[{name(c)}]", jax.jit(lambda x, a, b, be, c=c: grouped_swiglu(
-                x, a, b, be, limit=LIMIT, cfg=c)), (x, w1, w3, be), None))
+                x, a, b, be, limit=LIMIT, cfg=c)), (x, w1, w3, be), want_h))
         for c in W13:
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), t // c.rows)
             if (2 * I) % c.block_n or t % c.rows:
