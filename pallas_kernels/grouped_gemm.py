@@ -387,9 +387,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 pl.run_scoped(lambda *accs: scope(accs), *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
-        # per row block, the h tiles written (fused GEMMs): one array for the whole grid (a
-        # scoped allocation would give each CTA its own), zeroed by Pallas before every launch
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((m // rows,))) if synced else None
+        sem = refs[-1] if synced else None     # per row block: h tiles written (fused GEMMs)
+        refs = refs[:len(refs) - synced]
         n_out = 2 if down else 1
         scale_gmem = refs[0] if scaled else None
         w_gmem, wd_gmem = refs[scaled:scaled + len(flat)], refs[scaled + len(flat):len(refs) - n_out]
@@ -510,6 +509,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
         out_type=(out_type, jax.ShapeDtypeStruct((m, d_out), lhs.dtype)) if down else out_type,
+        scratch_types=(plgpu.SemaphoreType.REGULAR((m // rows,)),) if synced else (),
         **({"grid": (n_ctas,), "grid_names": ("sm",)} if cfg.persistent
            else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
