@@ -7,8 +7,7 @@ same function from the same data and is checked against an fp32 per-expert refer
 
 Implementations: ``megajax`` (block-aligned rows, fused gate/up+SwiGLU kernel then the down
 kernel; best of a few block configs, each recorded, swapped-tile ones up to 256 rows per
-expert, persistent ones from 128), ``megajax_one_launch`` (both GEMMs in one persistent
-launch, ``grouped_experts``, from 128 rows per expert), ``xla_einsum`` (dense batched matmul
+expert, persistent ones from 128), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
 einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
@@ -49,7 +48,7 @@ from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, r
                         time_jax_one_dispatch, time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
-from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_experts, grouped_matmul, grouped_swiglu,
+from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
                                          swiglu_f32)
 
 E, D, I = 6, 5120, 2304
@@ -96,10 +95,6 @@ LARGE_CONFIGS = [
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True)),
     (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True)),
 ]
-# both GEMMs in one persistent launch (``grouped_experts``), from 128 rows per expert: the
-# down GEMM runs on the gate/up tiles (two block_n-wide operands per tile)
-ONE_LAUNCH_CONFIGS = [GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 128, 64, 3, 2, persistent=True),
-                      GemmConfig(128, 64, 64, 3, 2, persistent=True)]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
 # leave 24 of 132 SMs idle, down's 120 leave 12)
@@ -186,7 +181,6 @@ def impls(xs, w1, w3, w2, counts):
         out[name.replace("megajax", "stage:gate_up")] = ("jax", jax.jit(up), (x_al, w1, w3, block_expert), None)
         out[name.replace("megajax", "stage:down")] = ("jax", jax.jit(down), (h, w2, block_expert), None)
 
-    out.update(one_launch_impls(xs, w1, w3, w2, counts))
     w13 = jnp.concatenate([w1, w3], axis=1)  # [E, 2I, D]
     xp = padded(xs, tuple(int(c) for c in counts), cap)
     out["xla_einsum"] = ("jax", jax.jit(lambda xp, a, b: jnp.einsum(
@@ -256,29 +250,6 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
                 fp8_impls(xs, q1, q3, q2, counts), ref, rows, roof)
 
 
-def one_launch_impls(xs, w1, w3, w2, counts, shared=False):
-    """``megajax_one_launch``: ``grouped_experts`` (from 128 rows per expert); with ``shared``
-    the last stacked expert rides as the shared expert, as in ``fused_shared_impls``."""
-    if counts.sum() < 128 * len(counts):
-        return {}
-    out = {}
-    for cu in ONE_LAUNCH_CONFIGS:
-        if I % cu.block_n or D % (2 * cu.block_n):
-            continue
-        x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), int(counts.sum()), cu.rows)
-        if shared:
-            fn = jax.jit(lambda x, a, b, c, be, cu=cu: grouped_experts(
-                x, a[:-1], b[:-1], c[:-1], be, limit=LIMIT, cfg=cu, shared=(a[-1], b[-1], c[-1]),
-                interpret=INTERPRET)[1])
-        else:
-            fn = jax.jit(lambda x, a, b, c, be, cu=cu: grouped_experts(
-                x, a, b, c, be, limit=LIMIT, cfg=cu, interpret=INTERPRET)[1])
-        name = config_name("megajax_one_launch" + "_shared" * shared, cu, cu).replace(
-            f",{cu.block_n}x", f",2x{cu.block_n}x")
-        out[name] = ("jax", fn, (x_al, w1, w3, w2, block_expert), lambda y, dest=dest: y[dest])
-    return out
-
-
 def fused_shared_impls(xs, w1, w3, w2, counts):
     """The model's form: routed stacks [E] plus the shared expert's own weights, passed as
     ``shared=`` so that its rows (block expert id E) run in the routed kernels' two launches,
@@ -296,7 +267,6 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
         args = (x_al, w1[:-1], w3[:-1], w2[:-1], w1[-1], w3[-1], w2[-1], block_expert, rw)   # (sliced once, untimed)
         out[config_name("megajax_fused_shared", cu, cd)] = (
             "jax", fn, args, lambda y, dest=dest, rw=rw: y[dest].astype(jnp.float32) / rw[dest][:, None])
-    out.update(one_launch_impls(xs, w1, w3, w2, counts, shared=True))
     return out
 
 
@@ -433,7 +403,7 @@ def main():
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
                     "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
-    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, ONE_LAUNCH_CONFIGS, TRACE
+    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, TRACE
     TRACE = args.trace
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
@@ -441,7 +411,6 @@ def main():
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
         CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS = CONFIGS[:1], SWAP_CONFIGS[:1], FP8_SWAP_CONFIGS[:1]
-        ONE_LAUNCH_CONFIGS = ONE_LAUNCH_CONFIGS[:1]
     if args.from_json:
         import json
         plot(json.load(open(args.from_json)), args.plot)

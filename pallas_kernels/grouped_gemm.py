@@ -59,9 +59,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
-
 from pallas_kernels.compat import transposed
 
 
@@ -175,15 +172,6 @@ def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
     return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
 
 
-@plgpu.inline_mgpu()
-def _fence_proxy_async_global(ctx):
-    """Orders this thread's global accesses through the async proxy (TMA) against its generic
-    ones (the semaphore's atomics) in both directions: an h tile's TMA store before the signal
-    that counts it, and the wait that saw that count before the TMA loads of the tile."""
-    del ctx
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
-
-
 def _num_sms() -> int:
     """CTAs of a persistent grid: one per SM (off the GPU, where kernels are only interpreted or
     lowered, a few, so that each loops over several tiles)."""
@@ -191,26 +179,17 @@ def _num_sms() -> int:
     return device.core_count if device.platform == "gpu" else 3
 
 
-def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None,
-                    down=None):
+def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None):
     """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]`` (bf16, or fp8 as
     ``QuantizedWeight``); expert ids number the stacks' experts consecutively (the routed
     stack, then e.g. the shared expert as one more). ``row_scale [M]`` (fp32) multiplies each
-    output row in the epilogue, before the rounding to the output dtype.
-
-    ``down`` (persistent only): stacks ``(w [E_s, D, N],)`` of a second GEMM over this one's
-    output, run in the same launch (see ``grouped_experts``); returns ``(h [M, N], y [M, D])``."""
+    output row in the epilogue, before the rounding to the output dtype."""
     m, k = lhs.shape
     n = stacks[0][0].shape[1]
     n_ops = len(stacks[0])
     rows, bm, bn, bk = cfg.rows, cfg.block_m, cfg.block_n, cfg.block_k
     if m % rows or n % bn or k % bk:
         raise ValueError(f"shapes (m={m}, n={n}, k={k}) must divide blocks ({rows}, {bn}, {bk})")
-    d_out = down[0][0].shape[1] if down else 0
-    if down and (not cfg.persistent or cfg.split != "m" or n_ops != 2 or d_out % (2 * bn) or n % bk
-                 or any(isinstance(w, QuantizedWeight) or w.dtype != jnp.bfloat16 for st in (*stacks, *down) for w in st)):
-        raise NotImplementedError(f"one launch for both GEMMs needs bf16 weights, a persistent split='m' "
-                                  f"config and D = {d_out} divisible by 2 * block_n: {cfg}")
     if block_expert.shape != (m // rows,):
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
     if row_scale is not None and row_scale.shape != (m,):
@@ -231,7 +210,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     if kn:
         stacks = tuple(tuple(w.swapped() if isinstance(w, QuantizedWeight) else jnp.swapaxes(w, 1, 2)
                              for w in st) for st in stacks)
-        down = down and tuple((jnp.swapaxes(w, 1, 2),) for (w,) in down)
     if x_km:
         lhs = lhs.T
     first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
@@ -246,11 +224,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         flat += [w.q if isinstance(w, QuantizedWeight) else w for w in st]
         flat += [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
 
-    def per_stack(expert, w_gmem, run, stacks=stacks):
+    def per_stack(expert, w_gmem, run):
         """``run(weights, scale rows)`` with this expert's refs, under the stack that owns it."""
         for lo, st in zip(first, stacks):
-            n_w, n_q = len(st), sum(isinstance(w, QuantizedWeight) for w in st)
-            refs, scales, w_gmem = w_gmem[:n_w], w_gmem[n_w:n_w + n_q], w_gmem[n_w + n_q:]
+            n_q = sum(isinstance(w, QuantizedWeight) for w in st)
+            refs, scales, w_gmem = w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q], w_gmem[n_ops + n_q:]
 
             @pl.when((expert >= lo) & (expert < lo + st[0].shape[0]))
             def _(refs=refs, scales=scales, lo=lo):
@@ -284,13 +262,12 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             plgpu.commit_smem()
         return tiles
 
-    def in_specs(mi, cols, delay_release):
-        """The activation tile of row block ``mi``, and one weight tile per column block in ``cols``."""
-        w_specs = [plgpu.BlockSpec(tile, (lambda s, c=c: (s, c)) if kn else (lambda s, c=c: (c, s)),
-                                   delay_release=delay_release) for c in cols]
+    def in_specs(mi, ni, delay_release):
+        w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
+                                 delay_release=delay_release)
         x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s, mi), delay_release=delay_release)
                   if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release))
-        return [x_spec] + w_specs
+        return [x_spec] + [w_spec] * n_ops
 
     def mma(accs, x_smem, w_smem):
         for acc, w in zip(accs, w_smem):
@@ -299,7 +276,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def store(accs, o_smem, o_gmem, s_smem=None, epilogue=epilogue):
+    def store(accs, o_smem, o_gmem, s_smem=None):
         """The epilogue; persistent, the store's wait moves to the next tile's epilogue (the
         store overlaps the next main loop) and the kernel's end."""
         out = epilogue(*(a[...] for a in accs))
@@ -333,7 +310,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(first_row, s_smem.shape[0])], s_smem, barrier)
 
     scaled = row_scale is not None
-    synced = bool(down) and interpret is None   # y tiles wait on semaphores for their h tiles
 
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
@@ -347,7 +323,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     # delay_release=1 refills the last step's slots when this step returns:
                     # its wgmma must have read them (this one stays in flight)
                     plgpu.wgmma_wait(1)
-                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, [ni] * n_ops, 1),
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
                 return
 
@@ -359,7 +335,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     mma(accs, x, dequantized(w_smem, w, s_smem, wb_smem, idx[0]))
                 # delay_release=1 here too: step s's wgmma reads its x slot asynchronously
                 # until step s+1's wgmma_wait, so the slot may only be refilled after that
-                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, [ni] * n_ops, 1),
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
             pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),
@@ -387,17 +363,12 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 pl.run_scoped(lambda *accs: scope(accs), *acc_shapes)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
-        sem = refs[-1] if synced else None     # per row block: h tiles written (fused GEMMs)
-        refs = refs[:len(refs) - synced]
-        n_out = 2 if down else 1
-        scale_gmem = refs[0] if scaled else None
-        w_gmem, wd_gmem = refs[scaled:scaled + len(flat)], refs[scaled + len(flat):len(refs) - n_out]
-        out_gmem, y_gmem = refs[-n_out], refs[-1]
+        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
         wg = jax.lax.axis_index("wg")
 
-        def pipeline(step, context, mi, cols, n_steps=steps):
+        def pipeline(step, context, mi, ni):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(n_steps,), memory_registers=40, in_specs=in_specs(mi, cols, 0),
+                step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
                 compute_context=context)
 
@@ -411,7 +382,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body or tile)
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, [0] * n_ops).get_allocations(*shapes),
+        @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
                            o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), lhs.dtype, transforms=(
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
                            if bc % EPI_COLS == 0 and lhs.dtype == jnp.bfloat16
@@ -424,22 +395,19 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
                            collective_axes="wg")
         def _(allocs, o_smem, fp8, row_scales):
-            def make_step(w, scales):
-                def step(idx, x_smem, *rest):
-                    *w_smem, accs = rest
-                    tiles = [my_part(t) for t in w_smem]
-                    if scales:
-                        tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
-                    mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
-                    plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
-                    return accs
-                return step
-
-            def my_rows_of(ref, mi, col, width):
-                return ref.at[pl.ds(mi * rows + my_rows, bm), pl.ds(col + my_cols, width)]
-
             def tile(mi, ni):
+                expert = block_expert_gmem[mi]
+
                 def run(w, scales):
+                    def step(idx, x_smem, *rest):
+                        *w_smem, accs = rest
+                        tiles = [my_part(t) for t in w_smem]
+                        if scales:
+                            tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
+                        mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
+                        plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
+                        return accs
+
                     def context(body):
                         if scales:
                             load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
@@ -451,72 +419,31 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                         def scope(*accs):
                             body(accs)
-                            store(accs, o_smem.at[wg], my_rows_of(out_gmem, mi, ni * bn, bc), s_smem)
-                        pl.run_scoped(scope, *acc_shapes)
-                        if synced:   # my rows of this h tile are in global memory: count them
-                            plgpu.wait_smem_to_gmem(0)
-                            _fence_proxy_async_global()
-                            plgpu.semaphore_signal(sem.at[mi], 1, memory_scope="gpu")
-
-                    pipeline(make_step(w, scales), context, mi, [ni] * n_ops)(lhs_gmem, *w, allocations=allocs)
-
-                per_stack(block_expert_gmem[mi], w_gmem, run)
-
-            def down_tile(mi, nj):
-                """Columns ``[2 nj bn, 2 (nj + 1) bn)`` of ``y = h w^T``: two ``bn``-wide weight
-                operands, so the tiles, pipeline and accumulators are the first GEMM's."""
-                def run(w, _):
-                    if synced:   # every h tile of row block mi has been written
-                        plgpu.semaphore_wait(sem.at[mi], cfg.compute_wgs * (n // bn), decrement=False,
-                                             memory_scope="gpu")
-                        _fence_proxy_async_global()
-
-                    def context(body):
-                        def scope(*accs):
-                            body(accs)
-                            for j, acc in enumerate(accs):
-                                store((acc,), o_smem.at[wg], my_rows_of(y_gmem, mi, (2 * nj + j) * bn, bc),
-                                      epilogue=lambda a: a)
+                            store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
+                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem)
                         pl.run_scoped(scope, *acc_shapes)
 
-                    pipeline(make_step(w * 2, ()), context, mi, [2 * nj, 2 * nj + 1], n // bk)(
-                        out_gmem, *w * 2, allocations=allocs)
+                    pipeline(step, context, mi, ni)(lhs_gmem, *w, allocations=allocs)
 
-                per_stack(block_expert_gmem[mi], wd_gmem, run, down)
+                per_stack(expert, w_gmem, run)
 
             if cfg.persistent:  # this CTA's share of the tiles, column blocks fastest
-                n_first = m // rows * (n // bn)
-
-                @plgpu.nd_loop((n_first + m // rows * (d_out // (2 * bn)),), collective_axes="sm")
+                @plgpu.nd_loop((m // rows * (n // bn),), collective_axes="sm")
                 def _(info):
-                    i = info.index[0]
-                    if not down:
-                        tile(*divmod(i, n // bn))
-                        return
-                    # every h tile comes before every y tile, and each CTA takes its tiles in
-                    # order: a y tile waits only on tiles that CTAs already hold or have done
-                    pl.when(i < n_first)(lambda: tile(*divmod(i, n // bn)))
-                    pl.when(i >= n_first)(lambda: down_tile(*divmod(i - n_first, d_out // (2 * bn))))
+                    tile(*divmod(info.index[0], n // bn))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             else:
                 tile(jax.lax.axis_index("m"), jax.lax.axis_index("n"))
 
-    out_type = jax.ShapeDtypeStruct((m, n), lhs.dtype)
-    n_tiles = m // rows * (n // bn + d_out // (2 * bn))
-    # The interpreter runs CTAs one after another (a y tile would wait forever on a later
-    # CTA's h tiles) and has no semaphores: fused, it runs one CTA, which takes the tiles in order.
-    n_ctas = 1 if down and interpret is not None else min(_num_sms(), n_tiles)
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=(out_type, jax.ShapeDtypeStruct((m, d_out), lhs.dtype)) if down else out_type,
-        scratch_types=(plgpu.SemaphoreType.REGULAR((m // rows,)),) if synced else (),
-        **({"grid": (n_ctas,), "grid_names": ("sm",)} if cfg.persistent
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
            else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()), *flat,
-                  *(w for (w,) in down or ()))
+    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()), *flat)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
@@ -543,30 +470,6 @@ def grouped_matmul(h, w2, block_expert, *, shared=None, cfg: GemmConfig = GemmCo
     ``shared`` ``[D, I]`` is expert ``E``."""
     stacks = ((w2,),) + (() if shared is None else ((_one_expert(shared),),))
     return _grouped_kernel(h, stacks, block_expert, lambda acc: acc, cfg, interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
-def grouped_experts(x, w1, w3, w2, block_expert, *, limit: float, shared=None, row_scale=None,
-                    cfg: GemmConfig, interpret=None):
-    """``grouped_swiglu`` then ``grouped_matmul`` in one persistent launch: returns
-    ``(h [M, I], y [M, D])``. ``shared = (w1, w3, w2)`` of the shared expert (expert id E).
-
-    Each CTA walks its share of one tile list: every ``h`` tile (row blocks, then columns),
-    then every ``y`` tile, ``2 * block_n`` columns wide as two ``block_n`` operands, so both
-    GEMMs run on the same pipeline, shared memory and accumulators. A ``y`` tile needs all of
-    its row block's ``h``: each compute warpgroup, once its rows of an ``h`` tile are in
-    global memory, adds one to the row block's semaphore, and the ``y`` tile's warpgroups wait
-    for the full count before its first load. Since each CTA takes its tiles in list order
-    and every CTA is resident (one per SM), every ``h`` tile a ``y`` tile waits on is done or
-    in progress: no deadlock. What this buys over two launches: the second GEMM's tiles fill
-    the SMs the first one's last wave leaves idle (T256 x 6 experts: 216 h tiles on 132 SMs),
-    and one launch and pipeline fill less. Needs a persistent ``split="m"`` config, bf16
-    weights and ``D`` divisible by ``2 * block_n``.
-    """
-    stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared[:2])),))
-    down = ((w2,),) + (() if shared is None else ((_one_expert(shared[2]),),))
-    return _grouped_kernel(x, stacks, block_expert, lambda g, u: swiglu_f32(g, u, limit), cfg, interpret,
-                           row_scale, down=down)
 
 
 def _per_row_weights(w, block_expert, rows, shared):

@@ -15,7 +15,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 import mega.moe as moe_module
 from mega.moe import MoeSpec, aligned_layout, moe
-from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_experts, grouped_matmul,
+from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul,
                                          grouped_matmul_reference, grouped_swiglu,
                                          grouped_swiglu_reference)
 
@@ -75,50 +75,6 @@ def test_grouped_kernels_match_reference(cfg, rng):
         got = np.asarray(got, np.float32)[rows]
         assert np.isfinite(got).all(), "a row of the output was never written"
         assert rel(got, np.asarray(want, np.float32)[rows]) < 1e-2
-
-
-@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True),
-                                 GemmConfig(32, 128, 64, 3, compute_wgs=2, persistent=True)],
-                         ids=["64-row-blocks", "four-store-pieces"])
-def test_fused_expert_gemms_match_reference(cfg, rng):
-    """Both GEMMs in one persistent launch (``grouped_experts``): the y tiles read the h tiles
-    the same launch wrote, each y tile as two ``block_n`` operands. Interpreted, one CTA walks
-    the tile list in order; the semaphores that order h before y across CTAs run on the GPU
-    only (checked there by bench/moe_gpu.py)."""
-    e, limit = 3, 2.5
-    inter, d = 2 * cfg.block_n, 4 * cfg.block_n
-    sizes = jnp.asarray([rng.integers(1, 2 * cfg.rows), 0, rng.integers(1, cfg.rows),
-                         rng.integers(1, cfg.rows)], jnp.int32)
-    n = int(sizes.sum())
-    dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 7)
-    x = jnp.zeros((m_pad, d), jnp.bfloat16).at[dest].set(jax.random.normal(keys[0], (n, d), jnp.bfloat16))
-    w1, w3 = (jax.random.normal(k, (e, inter, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
-    w2 = jax.random.normal(keys[3], (e, d, inter), jnp.bfloat16) * inter ** -0.5
-    shared = (*(jax.random.normal(k, (inter, d), jnp.bfloat16) * d ** -0.5 for k in keys[4:6]),
-              jax.random.normal(keys[6], (d, inter), jnp.bfloat16) * inter ** -0.5)
-    row_w = jnp.asarray(rng.uniform(0.1, 2.0, m_pad), jnp.float32)
-    h, out = grouped_experts(x, w1, w3, w2, block_expert, limit=limit, shared=shared, row_scale=row_w,
-                             cfg=cfg, interpret=INTERPRET)
-    h_ref = grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows,
-                                     shared=shared[:2], row_scale=row_w)
-    rows = np.asarray(dest)
-    for got, want in ((h, h_ref), (out, grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows,
-                                                                 shared=shared[2]))):
-        got, want = np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows]
-        assert np.isfinite(got).all(), "a row of the output was never written"
-        assert rel(got, want) < 1e-2
-
-
-def test_fused_expert_gemms_refuse_what_they_cannot_do():
-    sds = jax.ShapeDtypeStruct
-    w, w2 = sds((2, 128, 384), jnp.bfloat16), sds((2, 384, 128), jnp.bfloat16)
-    call = lambda cfg: jax.jit(lambda x, a, b, c, i: grouped_experts(x, a, b, c, i, limit=1.0, cfg=cfg)).trace(  # noqa: E731
-        sds((256, 384), jnp.bfloat16), w, w, w2, sds((2,), jnp.int32))
-    call(GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True))
-    for cfg in (GemmConfig(64, 64, 64, 2, compute_wgs=2), GemmConfig(64, 128, 64, 2, compute_wgs=2, persistent=True)):
-        with pytest.raises(NotImplementedError, match="one launch"):
-            call(cfg)   # not persistent; D = 384 not a multiple of 2 * 128
 
 
 def quantized(key, shape):
