@@ -181,6 +181,9 @@ def run(args):
         chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
         chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(splits=k)) for k in args.splits
                   if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
+        if args.per_item and case["kernel_splits"] == 1:   # against the persistent grid: one CTA per item
+            chosen.append(("pallas_bf16[one item per CTA]", "pallas_fp8[one item per CTA]",
+                           *kernels(ctas=t * h // 64)))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -311,6 +314,8 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
+    p.add_argument("--per-item", action="store_true",
+                   help="also time the kernels with one CTA per (token, head group) item, not persistent")
     p.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="run each case at these top-k widths instead of V4.1's 512, e.g. 128,512,1536")
     a = p.parse_args()

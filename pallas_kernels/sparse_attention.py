@@ -369,8 +369,8 @@ def _wait_parity(parity: int):
 STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
-def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, interpret=False,
-               skip_stages=()):
+def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, ctas: int | None = None,
+               interpret=False, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)``, e.g.
@@ -380,6 +380,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     batches too small to fill the GPU); each writes its normalised partial output and its
     softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
     GPU's SM count (1 when interpreted).
+
+    ``ctas``: CTAs of the grid, each taking every ``ctas``-th (query token, head group, split)
+    item in turn (persistent when fewer than the items; only with one split). ``None``: one per
+    SM on the GPU with one split, else one per item.
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
@@ -401,9 +405,16 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want uint8 UE8M0 "
                              f"{(kv.shape[0], d // 32)} (see ue8m0)")
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
+    n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
     if splits is None:
-        n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
         splits = auto_splits(t_len, n_heads, pools, n_sms)
+    n_items = n_heads // HEADS * splits * t_len
+    if ctas is None:
+        ctas = n_items if splits > 1 or not n_sms else min(n_items, n_sms)
+    if not 1 <= ctas <= n_items or (splits > 1 and ctas < n_items):
+        raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
+                         "and all of them when splits > 1")
+    per_cta = -(-n_items // ctas)                             # items per CTA (the last ones may have one less)
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
     per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
@@ -440,13 +451,21 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             pos += n
         if splits > 1:
             o_ref, stats_ref = refs[-2:]
-        t, hg, sp = lax.axis_index("t"), lax.axis_index("hg"), lax.axis_index("sp")
-        heads = pl.ds(hg * HEADS, HEADS)
+        cta = lax.axis_index("c")
 
-        def for_my_split(fn):
-            """``fn(s, lo, hi, local)`` for this CTA's split ``s``: global chunks [lo, hi), and
-            ``local[p]`` the part of pool p. One static branch per split: loops with traced
+        def for_my_items(fn):
+            """``fn(k, t, hg, sp)`` for this CTA's k-th item (query token ``t``, head group ``hg``,
+            split ``sp``), items ``cta + k * ctas`` in order, tokens fastest (CTAs that run
+            together share KV rows in L2). A static trip count with a guard: loops with traced
             bounds hang the JAX 0.10 Mosaic GPU interpreter."""
+            @pl.loop(0, per_cta)
+            def _(k):
+                i = cta + k * ctas
+                pl.when(i < n_items)(lambda: fn(k, i % t_len, i // (t_len * splits), i // t_len % splits))
+
+        def for_my_split(sp, fn):
+            """``fn(s, lo, hi, local)`` for split ``sp``: global chunks [lo, hi), and ``local[p]``
+            the part of pool p. One static branch per split (traced loop bounds: see above)."""
             for s in range(splits):
                 lo, hi = s * per_split, min((s + 1) * per_split, sum(n_chunks))
                 local = [(min(max(lo - c0, 0), nc), min(max(hi - c0, 0), nc)) for c0, nc in zip(chunk0, n_chunks)]
@@ -455,9 +474,11 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                 else:
                     pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
 
-        def scoped(q_smem, slots, xch, small, full, q_bar, ids_bar, free_bar, sync_bar, land_bar=None):
+        def scoped(q_smem, slots, xch, small, full, q_bar, ids_bar, free_bar, sync_bar, q_free, land_bar=None):
             """``full``: the slots' "full" barriers, plain mbarriers in an int32 buffer (compiled)
-            or Pallas barriers (interpreted: no inline code)."""
+            or Pallas barriers (interpreted: no inline code). Chunk numbers run on across a CTA's
+            items (item k's chunk g is ``k * n_total + g``; more than one item per CTA only with
+            one split), so slots, id slots and barrier phases simply continue."""
             wg = lax.axis_index("wg")
             if not interpreting:
                 init_full_barriers(full)
@@ -466,6 +487,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             kt, v8, s8 = slots      # bf16 K/V tiles; the fp8 view of the same bytes and its bytes as uint8
             ids_slot = lambda g: small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]  # noqa: E731
             sink_at = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)
+            n_total = sum(n_chunks)
 
             def sync():  # both compute warpgroups meet here
                 plgpu.barrier_arrive(sync_bar)
@@ -474,16 +496,13 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             @pl.when(wg == 2)
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
-                for w in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(w * dh, dh)], q_smem.at[w], q_bar)
-                # The sink (as int32 bits) shares the small index buffer: every allocation is
-                # rounded up to 1 KB.
-                plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[sink_at], q_bar)
 
-                def fetch_ids(p, c, g):
-                    """Row ids of chunk ``c`` of pool ``p`` (global chunk ``g``) into their slot."""
-                    plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
-                                            ids_slot(g), ids_bar.at[g % ID_SLOTS])
+                def load_q(t, heads):
+                    for w in range(2):
+                        plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(w * dh, dh)], q_smem.at[w], q_bar)
+                    # The sink (as int32 bits) shares the small index buffer: every allocation is
+                    # rounded up to 1 KB.
+                    plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[sink_at], q_bar)
 
                 def hand_over(g):
                     """Chunk ``g``'s copies are out: its slot is full when they have landed."""
@@ -518,46 +537,69 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 plgpu.copy_gmem_to_smem(src(row, w), dst(j, w), land_bar)
                         plgpu.barrier_wait(land_bar)
 
-                @for_my_split
-                def _produce(s, lo, hi, local):
-                    live = [p for p, (a, b) in enumerate(local) if b > a]
-                    if not live:
-                        return
-                    fetch_ids(live[0], local[live[0]][0], lo)   # the first chunk's ids
-                    for p in live:
-                        kv_ref, scale_ref, _ = pool_refs[p]
-                        end = local[p][1]
-                        # the next chunk is the next pool's first if this pool ends inside the range
-                        nxt = next((q for q in live if q > p), None) if chunk0[p] + end < hi else None
+                @for_my_items
+                def _item(k, t, hg, sp):
+                    heads = pl.ds(hg * HEADS, HEADS)
+                    base = k * n_total   # this item's chunk numbers start here
 
-                        @pl.loop(*local[p])
-                        def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
-                            g = chunk0[p] + c
-                            # the slot's previous chunk (g - 2) is released after both PVs
-                            pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
-                            plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                            # the next chunk's id slot last served chunk g - 2: released too
-                            pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
-                            if nxt is not None:
-                                pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
-                            if "row_copies" not in skip:
-                                gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
-                            hand_over(g)
-                    # Observe the last releases: the interpreter checks that every phase is seen, and
-                    # compiled, this keeps the producer alive until its last copies have landed.
-                    for g in range(max(lo, hi - SLOTS), hi):
-                        plgpu.barrier_wait(free_bar.at[g % SLOTS])
+                    def fetch_ids(p, c, g):
+                        """Row ids of chunk ``c`` of pool ``p`` (chunk number ``g``) into their slot."""
+                        plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
+                                                ids_slot(g), ids_bar.at[g % ID_SLOTS])
+
+                    pl.when(k == 0)(lambda: load_q(t, heads))
+
+                    def produce(s, lo, hi, local):
+                        live = [p for p, (a, b) in enumerate(local) if b > a]
+                        if not live:
+                            return
+                        fetch_ids(live[0], local[live[0]][0], base + lo)   # the first chunk's ids
+                        for p in live:
+                            kv_ref, scale_ref, _ = pool_refs[p]
+                            end = local[p][1]
+                            # the next chunk is the next pool's first if this pool ends inside the range
+                            nxt = next((q for q in live if q > p), None) if chunk0[p] + end < hi else None
+
+                            @pl.loop(*local[p])
+                            def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
+                                g = base + chunk0[p] + c
+                                # the slot's previous chunk (g - 2) is released after both PVs
+                                pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
+                                plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
+                                # the next chunk's id slot last served chunk g - 2: released too
+                                pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
+                                if nxt is not None:
+                                    pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
+                                if "row_copies" not in skip:
+                                    gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
+                                hand_over(g)
+
+                                # A later item's q (and sink) go where the last item's output tiles
+                                # were stored from: once those stores have read them, and after
+                                # this item's first chunk is on its way.
+                                @pl.when((k > 0) & (g == base + lo))
+                                def _():
+                                    plgpu.barrier_wait(q_free)
+                                    load_q(t, heads)
+
+                        # Observe the last releases: the interpreter checks that every phase is
+                        # seen, and compiled, this keeps the producer alive until its last copies
+                        # have landed.
+                        @pl.when(cta + (k + 1) * ctas >= n_items)   # my last item
+                        def _():
+                            for j in range(SLOTS):
+                                g = base + hi - SLOTS + j
+                                pl.when(g >= lo)(lambda g=g: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
+
+                    for_my_split(sp, produce)
 
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(232, action="increase")
                 cols = pl.ds(wg * dh, dh)
-                plgpu.barrier_wait(q_bar)
-                sink_bits = cast(small[sink_at], ROW)
-                sink2 = lax.bitcast_convert_type(sink_bits, jnp.float32) * LOG2E
 
                 def wait_full(g, lo):
-                    """Chunk ``g`` (of a split starting at ``lo``) has landed in its slot."""
+                    """Chunk ``g`` (of a split starting at chunk ``lo``) has landed in its slot."""
                     if interpreting:
                         plgpu.barrier_wait(full.at[g % SLOTS])
                         return
@@ -590,73 +632,87 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                                       ).astype(jnp.bfloat16)
                     plgpu.commit_smem()
 
-                @for_my_split
-                def _consume(s, lo, hi, local):
-                    # Split 0 starts from the sink; the others from an empty softmax, with a finite
-                    # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
-                    carry = (
-                        cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
-                        sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
-                        cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
-                    )
-                    # the producer walks the same pools and chunks in the same order
-                    for (c_lo, c_hi), fp8, g0 in zip(local, is_fp8, chunk0):
+                @for_my_items
+                def _item(k, t, hg, sp):
+                    heads = pl.ds(hg * HEADS, HEADS)
+                    base = k * n_total
+                    plgpu.barrier_wait(q_bar)
+                    sink2 = lax.bitcast_convert_type(cast(small[sink_at], ROW), jnp.float32) * LOG2E
 
-                        def chunk(c, carry, fp8=fp8, g0=g0):
-                            acc, m, l = carry
-                            g = g0 + c
-                            slot = g % SLOTS
-                            plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                            wait_full(g, lo)
-                            ids = cast(ids_slot(g)[...], COL)
-                            if fp8 and "dequant" not in skip:
-                                dequantize(slot)
-                            my_kt = kt.at[slot, wg]
-                            if "mma" in skip:
-                                s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
-                            else:
-                                s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
-                            if "exchange" in skip:
-                                s = s_part * qk_scale
-                            else:
-                                sync()                      # the other WG has read my previous partial
-                                xch[wg] = s_part
-                                sync()                      # both partials are written
-                                s = (s_part + cast(xch[1 - wg], TILE)) * qk_scale
-                            valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
-                            s = jnp.where(valid, s, -jnp.inf)
-                            m_new = jnp.maximum(m, s.max(axis=1))
-                            alpha = jnp.exp2(m - m_new)
-                            prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                            l = l * alpha + prob.sum(axis=1)
-                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                            if "mma" not in skip:
-                                acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False, interpreting=interpreting)
-                            plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
-                            return acc, m_new, l
+                    def consume(s, lo, hi, local):
+                        # Split 0 starts from the sink; the others from an empty softmax, with a finite
+                        # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
+                        carry = (
+                            cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
+                            sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
+                            cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
+                        )
+                        # the producer walks the same pools and chunks in the same order
+                        for (c_lo, c_hi), fp8, g0 in zip(local, is_fp8, chunk0):
 
-                        carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
-                    acc, m, l = carry
-                    # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
-                    # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
-                    out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-                    q_smem[wg] = out.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    if splits == 1:
-                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
-                    else:
-                        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
+                            def chunk(c, carry, fp8=fp8, g0=g0):
+                                acc, m, l = carry
+                                g = base + g0 + c
+                                slot = g % SLOTS
+                                plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
+                                wait_full(g, lo)
+                                ids = cast(ids_slot(g)[...], COL)
+                                if fp8 and "dequant" not in skip:
+                                    dequantize(slot)
+                                my_kt = kt.at[slot, wg]
+                                if "mma" in skip:
+                                    s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
+                                else:
+                                    s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
+                                if "exchange" in skip:
+                                    s = s_part * qk_scale
+                                else:
+                                    sync()                      # the other WG has read my previous partial
+                                    xch[wg] = s_part
+                                    sync()                      # both partials are written
+                                    s = (s_part + cast(xch[1 - wg], TILE)) * qk_scale
+                                valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
+                                s = jnp.where(valid, s, -jnp.inf)
+                                m_new = jnp.maximum(m, s.max(axis=1))
+                                alpha = jnp.exp2(m - m_new)
+                                prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                                l = l * alpha + prob.sum(axis=1)
+                                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                                if "mma" not in skip:
+                                    acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False,
+                                               interpreting=interpreting)
+                                plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
+                                return acc, m_new, l
 
-                        if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
-                            sync()
+                            carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
+                        acc, m, l = carry
+                        # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
+                        # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
+                        out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+                        q_smem[wg] = out.astype(jnp.bfloat16)
+                        plgpu.commit_smem()
+                        if splits == 1:
+                            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
+                        else:
+                            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
 
-                        @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
-                        def _stats():
-                            small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
-                            small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
-                    plgpu.wait_smem_to_gmem(0)
+                            if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
+                                sync()
+
+                            @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
+                            def _stats():
+                                small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
+                                small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
+
+                    for_my_split(sp, consume)
+
+                    @pl.when(cta + (k + 1) * ctas < n_items)   # a next item: its q may overwrite my tile
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plgpu.barrier_arrive(q_free)
+                plgpu.wait_smem_to_gmem(0)
 
         # K/V slots: bf16 tiles, and for fp8 pools the fp8 view of the same bytes (plus the same
         # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
@@ -686,6 +742,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
             plgpu.Barrier(num_arrivals=2),                                    # WG exchange
+            plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
             # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
             *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
             collective_axes="wg",
@@ -698,10 +755,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        # tokens last: Mosaic GPU launches the last grid axis as CUDA's x (up to 2^31 - 1
-        # blocks); the others are limited to 65535
-        grid=(n_heads // HEADS, splits, t_len),
-        grid_names=("hg", "sp", "t"),
+        grid=(ctas,),    # Mosaic GPU launches it as CUDA's x: up to 2^31 - 1 CTAs
+        grid_names=("c",),
         num_threads=3,
         thread_name="wg",
         # reduction_scratch_bytes=0: the only reductions are along the WGMMA row (warp

@@ -78,18 +78,22 @@ def gpu_interpret():
         reset_gpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("t_len,heads,d,pools,splits", [
-    (3, 64, 128, [(300, 64), (200, 100)], 1),    # window + compressed pool, S=100 pads to 128
-    (2, 128, 256, [(150, 70)], 1),               # two head groups, one pool
-    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1),   # V4.1 layout: fp8 window + bf16 compressed
-    (2, 64, 256, [(150, 70, "fp8")], 1),         # fp8 only (N=150: the scale lines need a pad row)
-    (3, 64, 128, [(300, 64), (200, 100)], 3),    # flash-decoding: one chunk per split
-    (2, 128, 128, [(301, 64, "fp8"), (200, 130)], 2),  # splits of 2 chunks crossing the pools
+@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas", [
+    (3, 64, 128, [(300, 64), (200, 100)], 1, None),    # window + compressed pool, S=100 pads to 128
+    (2, 128, 256, [(150, 70)], 1, None),               # two head groups, one pool
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, None),   # V4.1 layout: fp8 window + bf16 compressed
+    (2, 64, 256, [(150, 70, "fp8")], 1, None),         # fp8 only (N=150: the scale lines need a pad row)
+    (3, 64, 128, [(300, 64), (200, 100)], 3, None),    # flash-decoding: one chunk per split
+    (2, 128, 128, [(301, 64, "fp8"), (200, 130)], 2, None),  # splits of 2 chunks crossing the pools
+    # persistent CTAs: 10 items (5 tokens x 2 head groups) over 3 CTAs (4, 3, 3), 3 chunks each
+    (5, 128, 128, [(300, 64), (200, 100)], 1, 3),
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, 2),      # fp8 window, 2 CTAs
+    (4, 64, 128, [(300, 50)], 1, 2),                         # one chunk per item
 ])
-def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits):
+def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits, ctas):
     q, pools, sink, masked = _case(t_len, heads, d, pools)
     scale = d ** -0.5
-    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits))(q, pools, sink)
+    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits, ctas=ctas))(q, pools, sink)
     ref = sparse_mqa_reference(q, pools, sink, scale)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), "kernel left output elements unwritten (NaN poison)"
@@ -135,8 +139,8 @@ def test_fp8_quantiser_matches_the_spec():
 
 
 @pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
-@pytest.mark.parametrize("t_len,splits", [(4 * 64, 1), (4096, 1), (4 * 8, 4)])  # decode 64 / 8 requests, prefill
-def test_cross_lowering_v41_shapes(t_len, splits, kinds):
+@pytest.mark.parametrize("t_len,splits,ctas", [(4 * 64, 1, None), (4096, 1, 132), (4 * 8, 4, None)])  # decode 64 / 8 requests, prefill (persistent)
+def test_cross_lowering_v41_shapes(t_len, splits, ctas, kinds):
     """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
     (226 KB of 227 for every mix of pool kinds: the fp8 view lies inside the bf16 slots), and the inline cp.async
     gather that the interpreter does not run."""
@@ -153,7 +157,7 @@ def test_cross_lowering_v41_shapes(t_len, splits, kinds):
     fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
     pools = [pool(n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
     sink = jax.ShapeDtypeStruct((heads,), jnp.float32)
-    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits))
+    fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits, ctas=ctas))
     text = fn.trace(q, pools, sink).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -170,7 +174,9 @@ def test_rejects_unsupported_shapes():
 
 @pytest.mark.parametrize("kw,what", [({"splits": 0}, "splits"),
                                      ({"splits": 3}, "splits"),   # 2 chunks: 3 splits would leave one empty
-                                     ({"skip_stages": ("relayout",)}, "skip_stages")])
+                                     ({"skip_stages": ("relayout",)}, "skip_stages"),
+                                     ({"ctas": 0}, "ctas"), ({"ctas": 3}, "ctas"),   # 2 items
+                                     ({"splits": 2, "ctas": 2}, "ctas")])             # 4 items: all needed
 def test_rejects_bad_splits_and_stages(kw, what):
     q = jnp.zeros((2, 64, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=what):
