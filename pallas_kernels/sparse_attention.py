@@ -8,7 +8,7 @@ RoPE; MODEL_SPEC §3.6): for each query token ``t`` and head ``h``::
 
 over one or more KV pools (window ring, compressed pages), K = V. Fully masked rows give 0.
 
-Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
+Design (one CTA per (query token, group of 64 heads), or persistent CTAs looping over them; 3 warpgroups)
 --------------------------------------------------------------------
 * MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
   FlashMLA); keys stream through in chunks of ``BLOCK_KV = 64`` gathered rows with an online
@@ -55,6 +55,14 @@ Design (one CTA per (query token, group of 64 heads); 3 warpgroups)
   token's key chunks; each starts from an empty softmax (split 0 from the sink), writes its
   normalised partial output with its running max and sum, and an XLA pass weights and sums
   the partials (a few hundred KB at decode sizes).
+* Persistent CTAs (``ctas``): with one split, a grid of one CTA per SM, each taking every
+  ``ctas``-th (query token, head group) item. Chunk numbers, K/V slots, id slots and barrier
+  phases run on from one item to the next, so the producer gathers the next item's first
+  chunks while the compute warpgroups finish the last one, and it loads the next q into the
+  output tiles' shared memory once their stores have read them (a "q free" barrier). Measured
+  on the H200 against one CTA per item (bench/RESULTS.md, same call, GPU busy time): bf16
+  pools 2.5-3.3% faster (decode 256 requests, prefill 4K and 16K), an fp8 window pool 3-6%
+  slower (not explained yet), so ``ctas=None`` keeps one CTA per item when any pool is fp8.
 * Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
   bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
@@ -82,7 +90,8 @@ then form one chain that alternates between the warpgroups through shared memory
 barriers, and that chain, not the tensor cores, set the pace. Timed at 4, 10 and 25 chunks
 per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch
 included), so a persistent grid that hid one token's prologue and epilogue behind the
-previous token's chunks would save at most ~11% (prefill) to ~20% (decode). Overlapping one
+previous token's chunks would save at most ~11% (prefill) to ~20% (decode); the persistent
+grid above saves about 3% (it still waits for each item's q, and a chunk's cost is unchanged). Overlapping one
 chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed
 a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
 Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
@@ -383,7 +392,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
     ``ctas``: CTAs of the grid, each taking every ``ctas``-th (query token, head group, split)
     item in turn (persistent when fewer than the items; only with one split). ``None``: one per
-    SM on the GPU with one split, else one per item.
+    SM on the GPU with one split and bf16 pools only, else one per item (see the module docstring).
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
@@ -409,8 +418,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     if splits is None:
         splits = auto_splits(t_len, n_heads, pools, n_sms)
     n_items = n_heads // HEADS * splits * t_len
-    if ctas is None:
-        ctas = n_items if splits > 1 or not n_sms else min(n_items, n_sms)
+    if ctas is None:   # persistent for bf16 pools only: measured faster there, slower with an fp8 pool
+        bf16_only = all(kv_scale is None for _, kv_scale, _ in pools)
+        ctas = min(n_items, n_sms) if splits == 1 and n_sms and bf16_only else n_items
     if not 1 <= ctas <= n_items or (splits > 1 and ctas < n_items):
         raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
                          "and all of them when splits > 1")
@@ -663,7 +673,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 if "mma" in skip:
                                     s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                                 else:
-                                    s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True, interpreting=interpreting)
+                                    s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True,
+                                                  interpreting=interpreting)
                                 if "exchange" in skip:
                                     s = s_part * qk_scale
                                 else:
