@@ -34,6 +34,7 @@ kernel start to last kernel end per call, and its summed kernel time per call.
     python3 bench/attention_gpu.py --smoke                      # CPU: tiny shapes, interpret mode
     python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
     python3 bench/attention_gpu.py --cases decode-32 --stages   # + stage-removal timings
+    python3 bench/attention_gpu.py --per-item   # + the kernels on one CTA per item (not persistent)
 """
 from __future__ import annotations
 
