@@ -94,6 +94,10 @@ LARGE_CONFIGS = [
     (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 3, 2, persistent=True)),
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True)),
     (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True)),
+    # grouped tile order (bands of 8 or 4 row blocks, row blocks fastest within a band)
+    (GemmConfig(128, 64, 64, 3, 2, group_m=8), GemmConfig(128, 128, 64, 3, 2, group_m=8)),
+    (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
+    (GemmConfig(128, 64, 64, 3, 2, group_m=4), GemmConfig(128, 128, 64, 3, 2, group_m=4)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -272,7 +276,7 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 def config_name(prefix, cu, cd):
     split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
-             + (" persistent" if cu.persistent else ""))
+             + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else ""))
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 

@@ -81,6 +81,10 @@ class GemmConfig:
     run the epilogue, whose store overlaps the next tile's main loop, and no CTA pays a launch
     and a pipeline fill per tile.
 
+    ``group_m`` > 0 orders the tiles in bands of that many row blocks, column blocks outer and
+    row blocks inner within a band (Triton's grouped order), so the CTAs that run together
+    share fewer weight and activation tiles' worth of L2; 0: column blocks fastest over all rows.
+
     (Clusters of two CTAs multicasting each activation tile were tried on the H200 and were no
     faster: bench/RESULTS.md, commit ``e9ca1d3``.)"""
     block_m: int = 64
@@ -91,6 +95,7 @@ class GemmConfig:
     split: str = "m"
     swap_ab: bool = False
     persistent: bool = False
+    group_m: int = 0
 
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
@@ -101,6 +106,14 @@ class GemmConfig:
                              f"a multiple of 8 up to 256: {self}")
         if self.persistent and self.compute_wgs == 1:
             raise ValueError(f"persistent needs warp specialisation (compute_wgs > 1): {self}")
+
+    def tile_of(self, i, m_blocks: int, n_blocks: int):
+        """(row block, column block) of the ``i``-th tile in the grid order."""
+        if not self.group_m:
+            return divmod(i, n_blocks)
+        band, within = divmod(i, self.group_m * n_blocks)
+        rows = jnp.minimum(self.group_m, m_blocks - band * self.group_m)   # the last band may be short
+        return band * self.group_m + within % rows, within // rows
 
     @property
     def rows(self) -> int:
@@ -313,7 +326,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
-        mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+        mi, ni = cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn)
         expert = block_expert_gmem[mi]
 
         def run(accs, w, scales):
@@ -430,10 +443,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             if cfg.persistent:  # this CTA's share of the tiles, column blocks fastest
                 @plgpu.nd_loop((m // rows * (n // bn),), collective_axes="sm")
                 def _(info):
-                    tile(*divmod(info.index[0], n // bn))
+                    tile(*cfg.tile_of(info.index[0], m // rows, n // bn))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             else:
-                tile(jax.lax.axis_index("m"), jax.lax.axis_index("n"))
+                tile(*cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn))
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,

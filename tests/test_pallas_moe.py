@@ -40,9 +40,12 @@ def rel(a, b):
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n"),
                                  GemmConfig(16, 64, 64, 2, swap_ab=True),
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True),
-                                 GemmConfig(64, 256, 64, 2, compute_wgs=2, persistent=True)],
+                                 GemmConfig(64, 256, 64, 2, compute_wgs=2, persistent=True),
+                                 GemmConfig(64, 64, 64, 2, group_m=3),
+                                 GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True, group_m=3)],
                          ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n", "swap-ab",
-                              "persistent", "persistent-four-store-pieces"])
+                              "persistent", "persistent-four-store-pieces", "grouped-order",
+                              "persistent-grouped-order"])
 def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3; the gate/up
     kernel scales each row by its routing weight in the epilogue. (The interpreter runs
@@ -75,6 +78,15 @@ def test_grouped_kernels_match_reference(cfg, rng):
         got = np.asarray(got, np.float32)[rows]
         assert np.isfinite(got).all(), "a row of the output was never written"
         assert rel(got, np.asarray(want, np.float32)[rows]) < 1e-2
+
+
+@pytest.mark.parametrize("m_blocks,n_blocks,group_m", [(7, 5, 3), (4, 9, 4), (6, 2, 8), (5, 3, 0)])
+def test_grouped_tile_order_visits_every_tile_once(m_blocks, n_blocks, group_m):
+    cfg = GemmConfig(group_m=group_m)
+    tiles = [tuple(int(v) for v in cfg.tile_of(jnp.int32(i), m_blocks, n_blocks)) for i in range(m_blocks * n_blocks)]
+    assert sorted(tiles) == [(r, c) for r in range(m_blocks) for c in range(n_blocks)]
+    if group_m:   # the first band's rows come first, row blocks fastest
+        assert tiles[:min(group_m, m_blocks)] == [(r, 0) for r in range(min(group_m, m_blocks))]
 
 
 def quantized(key, shape):
