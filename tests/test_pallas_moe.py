@@ -179,6 +179,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), False),
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), False),
     (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 4, 2, persistent=True), False),
+    (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8), False),   # from 1024 rows
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
