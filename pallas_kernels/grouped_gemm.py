@@ -43,7 +43,9 @@ prefill sizes ``h`` is ``I/D`` = 45% of the activations, read once.
 
 Grid: one CTA per (row block, column block), column blocks fastest (Mosaic GPU makes the
 last grid axis CUDA's x), so CTAs that run together share their row block's activation tile
-in L2 and, at decode sizes, cover every weight tile once. ``GemmConfig.persistent`` instead
+in L2 and, at decode sizes, cover every weight tile once. At prefill sizes ``group_m`` orders
+them in bands of row blocks instead (Triton's grouped order): the CTAs in flight then read
+fewer distinct tiles, 4-7% faster at 1024-4096 rows per expert on the H200 (bench/RESULTS.md). ``GemmConfig.persistent`` instead
 runs one warp-specialised CTA per SM over the tiles in the same order; on the H200 it was
 within the call-to-call spread of the plain grid (bench/RESULTS.md), so ``mega.moe`` keeps
 the plain grid.
