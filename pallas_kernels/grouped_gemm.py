@@ -106,6 +106,8 @@ class GemmConfig:
                              or self.block_m > 256):
             raise ValueError(f"swap_ab needs one warpgroup, block_n a multiple of 64 and block_m "
                              f"a multiple of 8 up to 256: {self}")
+        if self.group_m < 0:
+            raise ValueError(f"group_m is a number of row blocks, or 0: {self}")
         if self.persistent and self.compute_wgs == 1:
             raise ValueError(f"persistent needs warp specialisation (compute_wgs > 1): {self}")
 
@@ -442,7 +444,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                 per_stack(expert, w_gmem, run)
 
-            if cfg.persistent:  # this CTA's share of the tiles, column blocks fastest
+            if cfg.persistent:  # this CTA's share of the tiles, in the grid order
                 @plgpu.nd_loop((m // rows * (n // bn),), collective_axes="sm")
                 def _(info):
                     tile(*cfg.tile_of(info.index[0], m // rows, n // bn))

@@ -421,20 +421,23 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
     if splits is None:
         splits = auto_splits(t_len, n_heads, pools, n_sms)
-    n_items = n_heads // HEADS * splits * t_len
-    if ctas is None:   # persistent for bf16 pools only: measured faster there, slower with an fp8 pool
-        bf16_only = all(kv_scale is None for _, kv_scale, _ in pools)
-        ctas = min(n_items, n_sms) if splits == 1 and n_sms and bf16_only else n_items
-    if not 1 <= ctas <= n_items or (splits > 1 and ctas < n_items):
-        raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
-                         "and all of them when splits > 1")
-    per_cta = -(-n_items // ctas)                             # items per CTA (the last ones may have one less)
+    if t_len == 0:
+        return jnp.zeros_like(q)
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
     per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
     if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
+    n_items = n_heads // HEADS * splits * t_len
+    if ctas is None:   # persistent for bf16 pools only: measured faster there, slower with an fp8 pool
+        bf16_only = all(kv_scale is None for _, kv_scale, _ in pools)
+        ctas = min(n_items, n_sms) if splits == 1 and n_sms and bf16_only and sum(n_chunks) else n_items
+    # (a later item's q is loaded after its first chunk's copies: items without chunks get one CTA each)
+    if not 1 <= ctas <= n_items or ((splits > 1 or not sum(n_chunks)) and ctas < n_items):
+        raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
+                         "and all of them when splits > 1 or there is no key chunk")
+    per_cta = -(-n_items // ctas)                             # items per CTA (the last ones may have one less)
     is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
     any_fp8 = any(is_fp8)
     dh = d // 2                                   # D columns per compute warpgroup
@@ -588,9 +591,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                     gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
                                 hand_over(g)
 
-                                # A later item's q (and sink) go where the last item's output tiles
-                                # were stored from: once those stores have read them, and after
-                                # this item's first chunk is on its way.
+                                # A later item's q goes where the last item's output tiles were
+                                # stored from (and its sink over the last one's, read at its start):
+                                # once those stores have read them, after this item's first chunk
+                                # is on its way.
                                 @pl.when((k > 0) & (g == base + lo))
                                 def _():
                                     plgpu.barrier_wait(q_free)

@@ -184,6 +184,19 @@ def test_rejects_bad_splits_and_stages(kw, what):
                    jnp.zeros((64,), jnp.float32), 1.0, **kw)
 
 
+def test_no_key_chunks_and_no_tokens(gpu_interpret):
+    """Every slot masked with no key chunk at all: the sink alone, so zeros (one CTA per item;
+    a persistent grid would load a later item's q only after its first chunk); no tokens: an
+    empty output."""
+    q = jax.random.normal(_key(), (4, 64, 128), jnp.bfloat16)
+    pools = [(jnp.ones((4, 128), jnp.bfloat16), jnp.zeros((4, 0), jnp.int32))]
+    sink = jnp.zeros((64,), jnp.float32)
+    assert np.all(np.asarray(sparse_mqa(q, pools, sink, 1.0), np.float32) == 0.0)
+    with pytest.raises(ValueError, match="no key chunk"):
+        sparse_mqa(q, pools, sink, 1.0, ctas=2)
+    assert sparse_mqa(q[:0], [(pools[0][0], pools[0][1][:0])], sink, 1.0).shape == (0, 64, 128)
+
+
 def test_auto_splits_fills_the_sms_at_small_batch_only():
     from pallas_kernels.sparse_attention import auto_splits
     pools = lambda t: [(None, jnp.zeros((t, 128), jnp.int32)), (None, jnp.zeros((t, 512), jnp.int32))]  # noqa: E731
