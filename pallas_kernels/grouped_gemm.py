@@ -45,7 +45,8 @@ Grid: one CTA per (row block, column block), column blocks fastest (Mosaic GPU m
 last grid axis CUDA's x), so CTAs that run together share their row block's activation tile
 in L2 and, at decode sizes, cover every weight tile once. At prefill sizes ``group_m`` orders
 them in bands of row blocks instead (Triton's grouped order): the CTAs in flight then read
-fewer distinct tiles, 4-7% faster at 1024-4096 rows per expert on the H200 (bench/RESULTS.md). ``GemmConfig.persistent`` instead
+fewer distinct tiles, 3-11% faster at 1024-4096 rows per expert on the H200
+(bench/RESULTS.md). ``GemmConfig.persistent`` instead
 runs one warp-specialised CTA per SM over the tiles in the same order; on the H200 it was
 within the call-to-call spread of the plain grid (bench/RESULTS.md), so ``mega.moe`` keeps
 the plain grid.
@@ -328,9 +329,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     scaled = row_scale is not None
 
+    def grid_tile():
+        """This CTA's (row block, column block) on the plain grid, in the grid order."""
+        return cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn)
+
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
-        mi, ni = cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn)
+        mi, ni = grid_tile()
         expert = block_expert_gmem[mi]
 
         def run(accs, w, scales):
@@ -450,7 +455,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     tile(*cfg.tile_of(info.index[0], m // rows, n // bn))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             else:
-                tile(*cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn))
+                tile(*grid_tile())
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,

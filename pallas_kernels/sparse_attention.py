@@ -8,8 +8,8 @@ RoPE; MODEL_SPEC §3.6): for each query token ``t`` and head ``h``::
 
 over one or more KV pools (window ring, compressed pages), K = V. Fully masked rows give 0.
 
-Design (one CTA per (query token, group of 64 heads), or persistent CTAs looping over them; 3 warpgroups)
---------------------------------------------------------------------
+Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warpgroups)
+--------------------------------------------------------------------------------------
 * MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
   FlashMLA); keys stream through in chunks of ``BLOCK_KV = 64`` gathered rows with an online
   softmax. The sink is folded in as the softmax's starting state (running max ``m = sink``,
@@ -87,17 +87,17 @@ so the tensor cores idle during the softmax. FlashMLA's split (each warpgroup co
 full-D QK^T and softmax of every other chunk and publishes P, 8 KB, instead of exchanging
 fp32 partial logits) was tried and measured 1.3x slower (bench/RESULTS.md): the softmax steps
 then form one chain that alternates between the warpgroups through shared memory and
-barriers, and that chain, not the tensor cores, set the pace. FlashMLA keeps the tensor cores busy through the
-chain by issuing a warpgroup's next QK^T before it waits on the other's softmax; here that
-next chunk (two ahead) goes into the slot both warpgroups' P @ V of the current chunk still
-read, so with two slots the early QK^T waits for that P @ V and a whole gather: it needs a
-third slot too. Timed at 4, 10 and 25 chunks
-per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch
-included), so a persistent grid that hid one token's prologue and epilogue behind the
-previous token's chunks would save at most ~11% (prefill) to ~20% (decode); the persistent
-grid above saves about 3% (it still waits for each item's q, and a chunk's cost is unchanged). Overlapping one
-chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed
-a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
+barriers, and that chain, not the tensor cores, set the pace. FlashMLA keeps the tensor
+cores busy through the chain by issuing a warpgroup's next QK^T before it waits on the
+other's softmax; here that next chunk (two ahead) goes into the slot both warpgroups' P @ V
+of the current chunk still read, so with two slots the early QK^T waits for that P @ V and a
+whole gather: it needs a third slot too. Timed at 4, 10 and 25 chunks per query, a CTA costs
+3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch included), so a persistent
+grid that hid one token's prologue and epilogue behind the previous token's chunks would
+save at most ~11% (prefill) to ~20% (decode); the persistent grid above saves about 3% (it
+still waits for each item's q, and a chunk's cost is unchanged). Overlapping one chunk's
+softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed a
+step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
 Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
 was measured no faster (bench/RESULTS.md): the wgmma wait between them is not the cost.
 
