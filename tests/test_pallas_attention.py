@@ -139,7 +139,8 @@ def test_fp8_quantiser_matches_the_spec():
 
 
 @pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
-@pytest.mark.parametrize("t_len,splits,ctas", [(4 * 64, 1, None), (4096, 1, 132), (4 * 8, 4, None)])  # decode 64 / 8 requests, prefill (persistent)
+# decode with 64 requests, prefill on a persistent grid, decode with 8 requests (key splits)
+@pytest.mark.parametrize("t_len,splits,ctas", [(4 * 64, 1, None), (4096, 1, 132), (4 * 8, 4, None)])
 def test_cross_lowering_v41_shapes(t_len, splits, ctas, kinds):
     """Lowering for CUDA runs Mosaic GPU's layout, transfer and shared-memory checks at H=64, D=512
     (226 KB of 227 for every mix of pool kinds: the fp8 view lies inside the bf16 slots), and the inline cp.async
