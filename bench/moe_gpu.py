@@ -98,14 +98,6 @@ LARGE_CONFIGS = [
     (GemmConfig(128, 64, 64, 3, 2, group_m=8), GemmConfig(128, 128, 64, 3, 2, group_m=8)),
     (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
     (GemmConfig(128, 64, 64, 3, 2, group_m=4), GemmConfig(128, 128, 64, 3, 2, group_m=4)),
-    # wave-fitting widths: 72 gate + 72 up columns and 160 down columns make 384 tiles of 128 rows
-    # at 256 rows per expert (2.91 waves on 132 SMs), where 128 and 256 make 216 and 240 (1.64 and
-    # 1.82 waves: the second wave runs part empty); mixed pairs separate the two kernels' gains
-    (GemmConfig(64, 72, 64, 6, 2), GemmConfig(64, 160, 64, 5, 2)),
-    (GemmConfig(64, 72, 64, 5, 2), GemmConfig(64, 256, 64, 3, 2)),
-    (GemmConfig(64, 128, 64, 4, 2), GemmConfig(64, 160, 64, 4, 2)),
-    (GemmConfig(64, 72, 64, 5, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True)),
-    (GemmConfig(64, 72, 64, 6, 2, group_m=8), GemmConfig(64, 160, 64, 5, 2, group_m=8)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs

@@ -94,15 +94,12 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     weight stream is the bound; up to 16 rows per expert on average, swapped 32-row tiles (rows
     as the wgmma's N; skewed loads put 2-3x the average on some experts) stream it best, above
     that one warpgroup per 64-row tile (swapped or not: within the run-to-run spread); from
-    128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win, each with 64 rows;
-    from 1024 rows per expert in the grouped tile order (bands of 8 row blocks: 3-11% faster
-    than the same tiles ungrouped and 4-7% faster than the previous 128-row tiles at 1024 and
-    4096 rows per expert, balanced and skewed; one call).
+    128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win, each with 64 rows, in
+    the grouped tile order (bands of 8 row blocks: 3-11% faster than the same tiles ungrouped
+    at 1024 and 4096 rows per expert, 3-7% at 256, balanced and skewed).
     """
-    if n_rows >= 1024 * n_experts:
+    if n_rows >= 128 * n_experts:
         cfgs = GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)
-    elif n_rows >= 128 * n_experts:
-        cfgs = GemmConfig(64, 128, 64, 4, compute_wgs=2), GemmConfig(64, 256, 64, 3, compute_wgs=2)
     elif n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)
     else:
