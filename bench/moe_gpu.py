@@ -80,12 +80,19 @@ SWAP_CONFIGS = [
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True)),
+    # warp specialised: two compute warpgroups of 64 weight rows each, fed by a TMA warpgroup
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True)),
 ]
 FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from registers (A operand)
     (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 128, 64, 6, swap_ab=True)),
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True)),
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
+    # warp specialised: each of two compute warpgroups converts its 64 weight rows of a tile
+    # while the TMA warpgroup streams the next tiles
+    (GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True), GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True)),
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 8, 2, "n", swap_ab=True)),
+    (GemmConfig(64, 128, 64, 5, 2, "n", swap_ab=True), GemmConfig(64, 128, 64, 6, 2, "n", swap_ab=True)),
 ]
 # compute-bound sizes (from 128 rows per expert): persistent CTAs, one per SM, each looping
 # over output tiles (the next tile's loads and the last tile's store overlap the epilogue and

@@ -29,7 +29,9 @@ wgmma; warp specialised, the two compute warpgroups split the tile's columns
 warpgroup streams the next (measured no faster than one warpgroup on the H200:
 bench/RESULTS.md). With swapped tiles (``swap_ab``) the weight is the wgmma's A operand, which
 Hopper reads from registers: the converted tile goes from registers straight into the wgmma,
-with no bf16 copy through shared memory and no fence.
+with no bf16 copy through shared memory and no fence; warp specialised, two compute
+warpgroups each convert their 64 weight rows of a tile while the TMA warpgroup streams the
+next (the shape of JAX's ``hopper_mixed_type_matmul_mgpu``).
 
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
@@ -77,7 +79,9 @@ class GemmConfig:
     the wgmma's 64-row M operand and the ``block_m`` rows (8 to 256) its N, so a CTA of 16
     rows neither pads them to 64 nor streams 64-row activation tiles beside the weights. The
     ``[block_n, rows]`` accumulator is stored through a transposed shared-memory view, so the
-    output stays ``[M, N]``.
+    output stays ``[M, N]``. Warp specialised (``split="n"``), each compute warpgroup takes 64
+    or more of the tile's weight rows (and, fp8, dequantises them) while a TMA warpgroup streams
+    the next tiles.
 
     ``persistent`` (warp specialised only) launches one CTA per SM, each looping over output
     tiles: the TMA warpgroup runs on into the next tile's loads while the compute warpgroups
@@ -103,10 +107,10 @@ class GemmConfig:
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
             raise ValueError(f"split is 'm' or 'n' (then block_n divisible by compute_wgs): {self}")
-        if self.swap_ab and (self.compute_wgs != 1 or self.block_n % 64 or self.block_m % 8
-                             or self.block_m > 256):
-            raise ValueError(f"swap_ab needs one warpgroup, block_n a multiple of 64 and block_m "
-                             f"a multiple of 8 up to 256: {self}")
+        if self.swap_ab and ((self.compute_wgs > 1 and self.split != "n") or self.block_n % (64 * self.compute_wgs)
+                             or self.block_m % 8 or self.block_m > 256):
+            raise ValueError(f"swap_ab needs split 'n' if warp specialised, 64 weight rows per warpgroup "
+                             f"(block_n) and block_m a multiple of 8 up to 256: {self}")
         if self.group_m < 0:
             raise ValueError(f"group_m is a number of row blocks, or 0: {self}")
         if self.persistent and self.compute_wgs == 1:
@@ -234,7 +238,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     steps = k // bk
     tile = (bk, bn) if kn else (bn, bk)
     bc = cfg.cols
-    acc_shapes = [plgpu.ACC((bn, rows) if swap else (bm, bc))] * n_ops
+    acc_shapes = [plgpu.ACC((bc, rows) if swap else (bm, bc))] * n_ops
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
     # kernel operands per stack: each weight, then the tile scales of its fp8 weights
     flat = []
@@ -407,12 +411,14 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
                            o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), lhs.dtype, transforms=(
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
-                           if bc % EPI_COLS == 0 and lhs.dtype == jnp.bfloat16
+                           if bc % EPI_COLS == 0 and lhs.dtype == jnp.bfloat16 and not swap
                            else plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
-                                plgpu.SMEM((cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))),
-                                           jnp.bfloat16),
-                                plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max)) if n_q_max else None,
+                                plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max),
+                                # the dequantised tiles, unless they go to the wgmma from registers
+                                *(() if a_in_registers else (plgpu.SMEM(
+                                    (cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))), jnp.bfloat16),)))
+                           if n_q_max else None,
                            row_scales=(plgpu.SMEM((cfg.compute_wgs, bm), jnp.float32),
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
                            collective_axes="wg")
@@ -425,14 +431,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         *w_smem, accs = rest
                         tiles = [my_part(t) for t in w_smem]
                         if scales:
-                            tiles = dequantized(tiles, w, fp8[0].at[wg], fp8[1].at[wg], idx[0])
-                        mma(accs, x_smem.at[pl.ds(my_rows, bm)], tiles)
+                            tiles = dequantized(tiles, w, fp8[0].at[wg], None if a_in_registers else fp8[2].at[wg],
+                                                idx[0])
+                        mma(accs, x_smem.at[pl.ds(my_rows, bm)] if cfg.split == "m" else x_smem, tiles)
                         plgpu.wgmma_wait(0)  # the producer refills the slot once this step returns
                         return accs
 
                     def context(body):
                         if scales:
-                            load_scales(scales, fp8[0].at[wg], fp8[2], ni, first=wg * n_q_max)
+                            load_scales(scales, fp8[0].at[wg], fp8[1], ni, first=wg * n_q_max)
                         s_smem = None
                         if scaled:
                             s_smem = row_scales[0].at[wg]

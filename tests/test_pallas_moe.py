@@ -39,12 +39,13 @@ def rel(a, b):
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 64, 64, 2, compute_wgs=2),
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, split="n"),
                                  GemmConfig(16, 64, 64, 2, swap_ab=True),
+                                 GemmConfig(16, 128, 64, 2, compute_wgs=2, split="n", swap_ab=True),
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True),
                                  GemmConfig(64, 256, 64, 2, compute_wgs=2, persistent=True),
                                  GemmConfig(64, 64, 64, 2, group_m=3),
                                  GemmConfig(64, 64, 64, 2, compute_wgs=2, persistent=True, group_m=3)],
                          ids=["one-warpgroup", "warp-specialised", "warp-specialised-split-n", "swap-ab",
-                              "persistent", "persistent-four-store-pieces", "grouped-order",
+                              "warp-specialised-swap-ab", "persistent", "persistent-four-store-pieces", "grouped-order",
                               "persistent-grouped-order"])
 def test_grouped_kernels_match_reference(cfg, rng):
     """Three routed experts (one empty) plus the shared expert as expert id 3; the gate/up
@@ -94,8 +95,9 @@ def quantized(key, shape):
 
 
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n"),
-                                 GemmConfig(24, 128, 64, 2, swap_ab=True)],
-                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab"])
+                                 GemmConfig(24, 128, 64, 2, swap_ab=True),
+                                 GemmConfig(24, 128, 64, 2, compute_wgs=2, split="n", swap_ab=True)],
+                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab", "warp-specialised-swap-ab"])
 def test_fp8_block_scaled_weights_match_reference(cfg, rng):
     """fp8 routed and shared experts, dequantised in the kernel (by one warpgroup, or by two,
     each its half of the tile's columns)."""
@@ -183,6 +185,8 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True), True),
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), True),
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), False),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
@@ -204,7 +208,7 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
 
 
 @pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},
-                                {"swap_ab": True, "compute_wgs": 2}, {"swap_ab": True, "block_m": 12},
+                                {"swap_ab": True, "compute_wgs": 2}, {"swap_ab": True, "compute_wgs": 2, "split": "n", "block_n": 64}, {"swap_ab": True, "block_m": 12},
                                 {"persistent": True}, {"group_m": -1}])
 def test_gemm_config_rejects_a_split_it_cannot_do(kw):
     with pytest.raises(ValueError, match="split|swap_ab|persistent|group_m"):
