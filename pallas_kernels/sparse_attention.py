@@ -142,6 +142,9 @@ NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX 
 FP8_PAD = 16
 COPY = 16         # bytes per cp.async piece
 WARPGROUP = 128   # threads
+# Registers per thread after setmaxnreg (2 x compute + producer <= 512: 64K per SM over 3 x 128
+# threads).
+PRODUCER_REGS, COMPUTE_REGS = 40, 232
 
 
 class Fp8Pool(NamedTuple):
@@ -512,7 +515,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
             @pl.when(wg == 2)
             def _producer():
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
                 def load_q(t, heads):
                     for w in range(2):
@@ -613,7 +616,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
             @pl.when(wg < 2)
             def _compute():
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(COMPUTE_REGS, action="increase")
                 cols = pl.ds(wg * dh, dh)
 
                 def wait_full(g, lo):
