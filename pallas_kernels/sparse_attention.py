@@ -143,8 +143,10 @@ FP8_PAD = 16
 COPY = 16         # bytes per cp.async piece
 WARPGROUP = 128   # threads
 # Registers per thread after setmaxnreg (2 x compute + producer <= 512: 64K per SM over 3 x 128
-# threads).
-PRODUCER_REGS, COMPUTE_REGS = 40, 232
+# threads). The compute warpgroups spill (ptxas): at 4096 prefill tokens 32 bytes (bf16, persistent),
+# 88 (fp8 window, one item per CTA) and 276 (fp8, persistent) with 232 registers; 12, 32 and 236
+# with 240, which made the three 0.5%, 2.3% and 3.8% faster on the H200 (bench/RESULTS.md).
+PRODUCER_REGS, COMPUTE_REGS = 24, 240
 
 
 class Fp8Pool(NamedTuple):
