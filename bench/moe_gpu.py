@@ -80,8 +80,6 @@ SWAP_CONFIGS = [
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True)),
-    # warp specialised: two compute warpgroups of 64 weight rows each, fed by a TMA warpgroup
-    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True)),
 ]
 FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from registers (A operand)
     (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 128, 64, 6, swap_ab=True)),

@@ -61,8 +61,10 @@ Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warp
   chunks while the compute warpgroups finish the last one, and it loads the next q into the
   output tiles' shared memory once their stores have read them (a "q free" barrier). Measured
   on the H200 against one CTA per item (bench/RESULTS.md, same call, GPU busy time): bf16
-  pools 2.5-3.3% faster (decode 256 requests, prefill 4K and 16K), an fp8 window pool 3-6%
-  slower (not explained yet), so ``ctas=None`` keeps one CTA per item when any pool is fp8.
+  pools 2.5-5% faster (decode 256 requests, prefill 4K and 16K), an fp8 window pool 2-6%
+  slower: its compute warpgroups spill (ptxas: 236 bytes against 32 per item), since the
+  in-place dequantisation holds a half-chunk of fp8 values and scales beside the accumulator
+  and the loop adds its state. So ``ctas=None`` keeps one CTA per item when any pool is fp8.
 * Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
   bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
@@ -100,6 +102,19 @@ softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk l
 step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
 Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
 was measured no faster (bench/RESULTS.md): the wgmma wait between them is not the cost.
+
+Next (not built): FlashMLA's Hopper sparse prefill kernel (``csrc/sm90/prefill/sparse``, the
+same problem at D = 512: 64 heads per CTA, 64-key blocks, two K/V slots, 640 TFLOP/s on an
+H800) runs the split we tried without the chain stalling, through four things our attempt
+lacked: (1) a one-way max dependency: warpgroup 0 uses its own running max and publishes it,
+warpgroup 1 takes the larger of that and its own, and warpgroup 0 later rescales its P and
+output by the difference, so no softmax waits on a round trip; (2) each warpgroup issues its
+own block's P @ V from registers right after its softmax, before any wait on the other; only
+the peer's P (8 KB bf16) goes through shared memory; (3) warpgroup 0 issues the next even
+block's QK^T right behind its last P @ V; (4) each K/V slot's two D halves have their own
+"full" and "free" barriers, so a half is refilled as soon as its readers are done and the
+early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots 128 KB + two P
+tiles 16 KB, about 210 KB.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
