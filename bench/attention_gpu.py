@@ -35,7 +35,6 @@ kernel start to last kernel end per call, and its summed kernel time per call.
     python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
     python3 bench/attention_gpu.py --cases decode-32 --stages   # + stage-removal timings
     python3 bench/attention_gpu.py --per-item   # + the kernels on one CTA per item (not persistent)
-    python3 bench/attention_gpu.py --seesaw     # + the bf16 kernel on the seesaw schedule
 """
 from __future__ import annotations
 
@@ -197,8 +196,6 @@ def run(args):
         xla_out = None
         variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8)]
         variants += [v for n16, n8, k16, k8 in chosen for v in ((n16, k16), (n8, k8))]
-        if args.seesaw:   # bf16 pools only
-            variants.append(("pallas_bf16[seesaw]", kernels(seesaw=True)[0]))
         for impl, fn in variants:
             fp8 = impl.startswith("pallas_fp8")
             fn_sets, impl_ref = (sets8, ref8) if fp8 else (sets, ref)
@@ -318,8 +315,6 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
-    p.add_argument("--seesaw", action="store_true",
-                   help="also the bf16 kernel on the seesaw schedule (warpgroups own alternate chunks)")
     p.add_argument("--per-item", action="store_true",
                    help="also time the kernels with one CTA per (token, head group) item, not persistent")
     p.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],

@@ -263,9 +263,8 @@ def sparse_mqa_reference(q, pools, sink, scale):
     return out.astype(q.dtype)
 
 
-def _mma(acc, *terms, transpose_b, interpreting):
-    """``acc + sum(a @ b)`` over ``terms`` of ``(a, b_ref)`` (``b = b_ref`` or its transpose) on
-    the tensor cores, one wgmma group waited for once; ``acc=None``: zero.
+def _mma(acc, a, b_ref, *, transpose_b, interpreting):
+    """``acc + a @ b`` (``b = b_ref`` or its transpose) on the tensor cores; ``acc=None``: zero.
 
     ``a`` is a shared-memory ref or a register array. The compiled kernel runs wgmma, in place
     on the accumulator (``run_state``). The JAX 0.10 Mosaic GPU interpreter runs neither
@@ -274,24 +273,20 @@ def _mma(acc, *terms, transpose_b, interpreting):
     the data movement, barriers and softmax are still the kernel's own.
     """
     if interpreting:
+        lhs = a if isinstance(a, jax.Array) else a[...]
         dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-        for a, b_ref in terms:
-            out = lax.dot_general(a if isinstance(a, jax.Array) else a[...], b_ref[...], dims,
-                                  preferred_element_type=jnp.float32)
-            acc = out if acc is None else acc + out
-        return acc
-
-    def issue(acc_ref):
-        for a, b_ref in terms:
-            plgpu.wgmma(acc_ref, a, transposed(b_ref) if transpose_b else b_ref)
+        out = lax.dot_general(lhs, b_ref[...], dims, preferred_element_type=jnp.float32)
+        return out if acc is None else acc + out
+    b = transposed(b_ref) if transpose_b else b_ref
     if acc is None:
         def fresh(acc_ref):
-            issue(acc_ref)
+            plgpu.wgmma(acc_ref, a, b)
             return acc_ref[...]
-        a, b_ref = terms[0]
-        n = b_ref.shape[0] if transpose_b else b_ref.shape[1]
-        return pl.run_scoped(fresh, plgpu.ACC((a.shape[0], n), jnp.float32))
-    return pl.run_state(issue)(plgpu.ACC.init(acc))
+        return pl.run_scoped(fresh, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+
+    def in_place(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
 def _interpret_params(interpret):
@@ -408,7 +403,7 @@ STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, ctas: int | None = None,
-               seesaw: bool = False, interpret=False, skip_stages=()):
+               interpret=False, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
     ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)``, e.g.
@@ -423,10 +418,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     item in turn (persistent when fewer than the items; only with one split). ``None``: one per
     SM on the GPU with one split and bf16 pools only, else one per item (see the module docstring).
 
-    ``seesaw``: the compute warpgroups own alternate chunks (full-D QK^T and softmax each) and
-    hand each other P instead of splitting QK^T over D (see the module docstring); bf16 pools
-    only, and the key chunks are padded to an even count.
-
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
     dequantisation, the exchange of partial logits, or both MMAs.
@@ -438,12 +429,6 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
-    if seesaw:
-        if skip or any(kv_scale is not None for _, kv_scale, _ in pools):
-            raise ValueError("seesaw takes bf16 pools only, and no skip_stages")
-        if sum(idx.shape[1] for *_, idx in pools) // BLOCK_KV % 2:   # chunk pairs: one more masked chunk
-            kv, _, idx = pools[-1]
-            pools[-1] = (kv, None, jnp.pad(idx, ((0, 0), (0, BLOCK_KV)), constant_values=-1))
     for kv, kv_scale, idx in pools:
         want = jnp.bfloat16 if kv_scale is None else jnp.float8_e4m3fn
         if kv.shape[0] < 1 or kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
@@ -454,18 +439,13 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                              f"{(kv.shape[0], d // 32)} (see ue8m0)")
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
-    auto = splits is None
-    if auto:
+    if splits is None:
         splits = auto_splits(t_len, n_heads, pools, n_sms)
     if t_len == 0:
         return jnp.zeros_like(q)
     n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
     per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
-    if seesaw:   # whole chunk pairs per split (and no split left empty by the rounding)
-        per_split += per_split % 2
-        if auto:
-            splits = min(splits, max(1, -(-sum(n_chunks) // per_split)))
     if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
@@ -721,7 +701,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 if "mma" in skip:
                                     s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                                 else:
-                                    s_part = _mma(None, (q_smem.at[wg], my_kt), transpose_b=True,
+                                    s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True,
                                                   interpreting=interpreting)
                                 if "exchange" in skip:
                                     s = s_part * qk_scale
@@ -738,18 +718,14 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 l = l * alpha + prob.sum(axis=1)
                                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                                 if "mma" not in skip:
-                                    acc = _mma(acc, (prob.astype(jnp.bfloat16), my_kt), transpose_b=False,
+                                    acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False,
                                                interpreting=interpreting)
                                 plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
                                 return acc, m_new, l
 
                             carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
-                        finish(s, *carry)
-
-                    def finish(s, acc, m, l):
-                        """Normalise, store this warpgroup's half of the output (and, with splits, the
-                        softmax statistics: m and l, the same in both warpgroups)."""
-                        # Both warpgroups are done with q_smem: reuse it for the output tile.
+                        acc, m, l = carry
+                        # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
                         # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
                         out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
                         q_smem[wg] = out.astype(jnp.bfloat16)
@@ -762,90 +738,14 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
                                 sync()
 
-                            @pl.when(wg == 0)   # m and l into spent id slots
+                            @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
                             def _stats():
                                 small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
                                 small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
 
-                    def consume_seesaw(s, lo, hi, local, role):
-                        """Warpgroup ``role``'s part of the seesaw schedule (see the module docstring):
-                        it owns the chunks of its parity, chunk pairs (2i, 2i + 1) of the split in
-                        slots (0, 1), and accumulates its D half of the output over both."""
-                        del local
-                        p_tiles, stats, handoff = xch
-                        m_ready = lambda w: handoff.at[w]       # noqa: E731  (w's max is in stats[w])
-                        p_ready = lambda w: handoff.at[2 + w]   # noqa: E731  (w's P is in p_tiles[w])
-                        row = lambda v: cast(stats[v], ROW)  # noqa: E731
-                        mine, other = role, 1 - role        # my chunk's slot, the other's
-
-                        def pair(i, carry):
-                            acc, m, l = carry
-                            g = base + lo + 2 * i               # even: slot 0
-                            for c in (g, g + 1):                # (each warpgroup sees every phase)
-                                plgpu.barrier_wait(ids_bar.at[c % ID_SLOTS])
-                            wait_full(g + mine, lo)
-                            ids = cast(ids_slot(g + mine)[...], COL)
-                            s_ = _mma(None, *((q_smem.at[h], kt.at[mine, h]) for h in range(2)), transpose_b=True,
-                                      interpreting=interpreting) * qk_scale
-                            s_ = jnp.where(lax.broadcast_in_dim(ids >= 0, s_.shape, [1]), s_, -jnp.inf)
-                            m_prev = m
-                            if role == 1:      # warpgroup 0's max for this pair (>= m_prev) goes first
-                                plgpu.barrier_wait(m_ready(0))
-                                m = row(0)
-                            m_new = jnp.maximum(m, s_.max(axis=1))
-                            alpha = jnp.exp2(m_prev - m_new)
-                            prob = jnp.exp2(s_ - lax.broadcast_in_dim(m_new, s_.shape, [0]))
-                            l = l * alpha + prob.sum(axis=1)
-                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                            stats[mine] = m_new
-                            plgpu.barrier_arrive(m_ready(mine))
-                            if role == 0:
-                                # my chunk's P @ V on my half, then P rescaled to warpgroup 1's max
-                                acc = _mma(acc, (prob.astype(jnp.bfloat16), kt.at[0, 0]), transpose_b=False,
-                                           interpreting=interpreting)
-                                plgpu.barrier_arrive(free_bar.at[0])
-                                plgpu.barrier_wait(m_ready(1))
-                                m_last = row(1)
-                                c = jnp.exp2(m_new - m_last)
-                                prob = prob * lax.broadcast_in_dim(c, prob.shape, [0])
-                                l = l * c
-                                acc = acc * lax.broadcast_in_dim(c, acc.shape, [0])
-                                m_new = m_last
-                                p_tiles[0] = prob.astype(jnp.bfloat16)
-                                plgpu.commit_smem()
-                                plgpu.barrier_arrive(p_ready(0))
-                            else:
-                                p_tiles[1] = prob.astype(jnp.bfloat16)
-                                plgpu.commit_smem()
-                                plgpu.barrier_arrive(p_ready(1))
-                                acc = _mma(acc, (prob.astype(jnp.bfloat16), kt.at[1, 1]), transpose_b=False,
-                                           interpreting=interpreting)
-                                plgpu.barrier_arrive(free_bar.at[1])
-                            # the other chunk's P (at the pair's max) on my half of its rows
-                            plgpu.barrier_wait(p_ready(other))
-                            wait_full(g + other, lo)
-                            acc = _mma(acc, (p_tiles.at[other], kt.at[other, mine]), transpose_b=False,
-                                       interpreting=interpreting)
-                            plgpu.barrier_arrive(free_bar.at[other])
-                            return acc, m_new, l
-
-                        first = s == 0   # split 0 starts from the sink, its "1" in warpgroup 0's sum
-                        carry = (cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
-                                 sink2 if first else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),
-                                 cast(jnp.full((HEADS,), 1.0 if first and role == 0 else 0.0, jnp.float32), ROW))
-                        acc, m, l = lax.fori_loop(0, (hi - lo) // 2, pair, carry)
-                        stats[2 + role] = l                  # the two partial sums, once per item
-                        sync()
-                        finish(s, acc, m, l + row(3 - role))
-
-                    if seesaw:
-                        for role in (0, 1):
-                            pl.when(wg == role)(functools.partial(
-                                for_my_split, sp, functools.partial(consume_seesaw, role=role)))
-                    else:
-                        for_my_split(sp, consume)
+                    for_my_split(sp, consume)
 
                     @pl.when(cta + (k + 1) * ctas < n_items)   # a next item: its q may overwrite my tile
                     def _():
@@ -872,10 +772,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             scoped_unpacked,
             plgpu.SMEM((2, HEADS, dh), jnp.bfloat16, transforms=tiled),       # q, then out, per WG
             slots,                                                            # K/V slots
-            # logit exchange; seesaw: the two chunks' P tiles, (m0, m1, l0, l1), "m ready", "P ready"
-            (plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.bfloat16, transforms=tiled),
-             plgpu.SMEM((4, HEADS), jnp.float32), plgpu.Barrier(num_barriers=4)) if seesaw else
-            plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,
+            plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
             # a slot is full: mbarriers for cp.async arrivals (8 bytes each), or interpreted Pallas ones
@@ -883,7 +780,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
             plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
-            plgpu.Barrier(num_arrivals=2),                                    # WG exchange / meeting
+            plgpu.Barrier(num_arrivals=2),                                    # WG exchange
             plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
             # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
             *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),

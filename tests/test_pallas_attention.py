@@ -78,29 +78,22 @@ def gpu_interpret():
         reset_gpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas,seesaw", [
-    (3, 64, 128, [(300, 64), (200, 100)], 1, None, False),    # window + compressed pool, S=100 pads to 128
-    (2, 128, 256, [(150, 70)], 1, None, False),               # two head groups, one pool
-    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, None, False),   # V4.1 layout: fp8 window + bf16 compressed
-    (2, 64, 256, [(150, 70, "fp8")], 1, None, False),         # fp8 only (N=150: the scale lines need a pad row)
-    (3, 64, 128, [(300, 64), (200, 100)], 3, None, False),    # flash-decoding: one chunk per split
-    (2, 128, 128, [(301, 64, "fp8"), (200, 130)], 2, None, False),  # splits of 2 chunks crossing the pools
+@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas", [
+    (3, 64, 128, [(300, 64), (200, 100)], 1, None),    # window + compressed pool, S=100 pads to 128
+    (2, 128, 256, [(150, 70)], 1, None),               # two head groups, one pool
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, None),   # V4.1 layout: fp8 window + bf16 compressed
+    (2, 64, 256, [(150, 70, "fp8")], 1, None),         # fp8 only (N=150: the scale lines need a pad row)
+    (3, 64, 128, [(300, 64), (200, 100)], 3, None),    # flash-decoding: one chunk per split
+    (2, 128, 128, [(301, 64, "fp8"), (200, 130)], 2, None),  # splits of 2 chunks crossing the pools
     # persistent CTAs: 10 items (5 tokens x 2 head groups) over 3 CTAs (4, 3, 3), 3 chunks each
-    (5, 128, 128, [(300, 64), (200, 100)], 1, 3, False),
-    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, 2, False),      # fp8 window, 2 CTAs
-    (4, 64, 128, [(300, 50)], 1, 2, False),                         # one chunk per item
-    # seesaw: 3 chunks padded to 2 pairs (the second pair's chunks from two pools), one pair,
-    # persistent CTAs, and two splits of one pair each
-    (3, 64, 128, [(300, 64), (200, 100)], 1, None, True),
-    (2, 128, 256, [(150, 70)], 1, None, True),
-    (5, 128, 128, [(300, 64), (200, 100)], 1, 3, True),
-    (3, 64, 128, [(300, 64), (200, 190)], 2, None, True),
+    (5, 128, 128, [(300, 64), (200, 100)], 1, 3),
+    (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, 2),      # fp8 window, 2 CTAs
+    (4, 64, 128, [(300, 50)], 1, 2),                         # one chunk per item
 ])
-def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits, ctas, seesaw):
+def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits, ctas):
     q, pools, sink, masked = _case(t_len, heads, d, pools)
     scale = d ** -0.5
-    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits, ctas=ctas, seesaw=seesaw))(
-        q, pools, sink)
+    out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits, ctas=ctas))(q, pools, sink)
     ref = sparse_mqa_reference(q, pools, sink, scale)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), "kernel left output elements unwritten (NaN poison)"
