@@ -107,8 +107,8 @@ class GemmConfig:
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
             raise ValueError(f"split is 'm' or 'n' (then block_n divisible by compute_wgs): {self}")
-        if self.swap_ab and ((self.compute_wgs > 1 and self.split != "n") or self.block_n % (64 * self.compute_wgs)
-                             or self.block_m % 8 or self.block_m > 256):
+        if self.swap_ab and ((self.compute_wgs > 1 and self.split != "n")
+                             or self.block_n % (64 * self.compute_wgs) or self.block_m % 8 or self.block_m > 256):
             raise ValueError(f"swap_ab needs split 'n' if warp specialised, 64 weight rows per warpgroup "
                              f"(block_n) and block_m a multiple of 8 up to 256: {self}")
         if self.group_m < 0:

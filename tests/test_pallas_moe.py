@@ -208,8 +208,9 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
 
 
 @pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},
-                                {"swap_ab": True, "compute_wgs": 2}, {"swap_ab": True, "compute_wgs": 2, "split": "n", "block_n": 64}, {"swap_ab": True, "block_m": 12},
-                                {"persistent": True}, {"group_m": -1}])
+                                {"swap_ab": True, "compute_wgs": 2},
+                                {"swap_ab": True, "compute_wgs": 2, "split": "n", "block_n": 64},
+                                {"swap_ab": True, "block_m": 12}, {"persistent": True}, {"group_m": -1}])
 def test_gemm_config_rejects_a_split_it_cannot_do(kw):
     with pytest.raises(ValueError, match="split|swap_ab|persistent|group_m"):
         GemmConfig(**kw)
