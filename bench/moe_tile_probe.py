@@ -44,8 +44,7 @@ from gpu_common import ceilings, gpu_kernels, rel_err, run_info, write  # noqa: 
 from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32  # noqa: E402
 
 E, D, I, LIMIT = 6, 5120, 2304, 10.0
-SWIGLU = {256: GemmConfig(64, 128, 64, 4, compute_wgs=2), 1024: GemmConfig(64, 128, 64, 4, 2, group_m=8),
-          4096: GemmConfig(64, 128, 64, 4, 2, group_m=8)}   # mega.moe's
+SWIGLU = {t: GemmConfig(64, 128, 64, 4, 2, group_m=8) for t in (256, 1024, 4096)}   # mega.moe's
 SWIGLU_PERSISTENT = [GemmConfig(64, 128, 64, 3, compute_wgs=2, persistent=True),
                      GemmConfig(64, 128, 64, 4, compute_wgs=2, persistent=True)]
 W13 = [GemmConfig(64, 256, 64, 3, compute_wgs=2), GemmConfig(64, 256, 64, 4, compute_wgs=2, persistent=True),
