@@ -115,8 +115,8 @@ block's QK^T right behind its last P @ V; (4) each K/V slot's two D halves have 
 "full" and "free" barriers, so a half is refilled as soon as its readers are done and the
 early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots 128 KB + two P
 tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch ``seesaw-wip``) is correct
-in the interpreter and on the H200 with at most two chunk pairs per CTA, but hangs with more
-(bench/RESULTS.md); the cause is not found yet.
+in the interpreter and on the H200, and 1.2-1.7x slower than split D (bench/RESULTS.md): without
+(3) and (4) each pair's hand-offs leave the tensor cores idle.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
