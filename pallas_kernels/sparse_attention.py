@@ -116,7 +116,9 @@ block's QK^T right behind its last P @ V; (4) each K/V slot's two D halves have 
 early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots 128 KB + two P
 tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch ``seesaw-wip``) is correct
 in the interpreter and on the H200, and 1.2-1.7x slower than split D (bench/RESULTS.md): without
-(3) and (4) each pair's hand-offs leave the tensor cores idle.
+(3) and (4) each pair's hand-offs leave the tensor cores idle. With (3) and (4) as well (branch
+``seesaw2``) it is 9-13% faster than that, still 1.4x slower than split D, and it spills
+about 1 KB per compute thread (ptxas).
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
