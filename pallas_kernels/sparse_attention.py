@@ -103,7 +103,7 @@ step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 22
 Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
 was measured no faster (bench/RESULTS.md): the wgmma wait between them is not the cost.
 
-Next (not built): FlashMLA's Hopper sparse prefill kernel (``csrc/sm90/prefill/sparse``, the
+Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel (``csrc/sm90/prefill/sparse``, the
 same problem at D = 512: 64 heads per CTA, 64-key blocks, two K/V slots, 640 TFLOP/s on an
 H800) runs the split we tried without the chain stalling, through four things our attempt
 lacked: (1) a one-way max dependency: warpgroup 0 uses its own running max and publishes it,
@@ -118,7 +118,8 @@ tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch ``seesaw-wip
 in the interpreter and on the H200, and 1.2-1.7x slower than split D (bench/RESULTS.md): without
 (3) and (4) each pair's hand-offs leave the tensor cores idle. With (3) and (4) as well (branch
 ``seesaw2``) it is 9-13% faster than that, still 1.4x slower than split D, and it spills
-about 1 KB per compute thread (ptxas).
+about 1 KB per compute thread (ptxas): with static tile refs, all 64 wgmma descriptors of a
+QK^T are loop-invariant and LLVM hoists them into registers (the PTX shows it).
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
