@@ -105,8 +105,9 @@ was measured no faster (bench/RESULTS.md): the wgmma wait between them is not th
 
 Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel
 (``csrc/sm90/prefill/sparse``, the same problem at D = 512: 64 heads per CTA, 64-key blocks,
-two K/V slots, 640 TFLOP/s on an H800) runs the split we tried without the chain stalling, through four things our attempt
-lacked: (1) a one-way max dependency: warpgroup 0 uses its own running max and publishes it,
+two K/V slots, 640 TFLOP/s on an H800) runs the split we tried without the chain stalling,
+through four things our attempt lacked: (1) a one-way max dependency: warpgroup 0 uses its
+own running max and publishes it,
 warpgroup 1 takes the larger of that and its own, and warpgroup 0 later rescales its P and
 output by the difference, so no softmax waits on a round trip; (2) each warpgroup issues its
 own block's P @ V from registers right after its softmax, before any wait on the other; only
