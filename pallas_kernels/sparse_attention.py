@@ -91,9 +91,9 @@ fp32 partial logits) was tried and measured 1.3x slower (bench/RESULTS.md): the 
 then form one chain that alternates between the warpgroups through shared memory and
 barriers, and that chain, not the tensor cores, set the pace. FlashMLA keeps the tensor
 cores busy through the chain by issuing a warpgroup's next QK^T before it waits on the
-other's softmax; here that next chunk (two ahead) goes into the slot both warpgroups' P @ V
-of the current chunk still read, so with two slots the early QK^T waits for that P @ V and a
-whole gather: it needs a third slot too. Timed at 4, 10 and 25 chunks per query, a CTA costs
+other's softmax; with whole-slot barriers that next chunk (two ahead) waits for the slot
+both warpgroups' P @ V of the current chunk still read, and a whole gather (FlashMLA frees
+and refills each D half of a slot on its own: see "Next" below). Timed at 4, 10 and 25 chunks per query, a CTA costs
 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch included), so a persistent
 grid that hid one token's prologue and epilogue behind the previous token's chunks would
 save at most ~11% (prefill) to ~20% (decode); the persistent grid above saves about 3% (it
