@@ -273,10 +273,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             if wq.dtype == jnp.bfloat16:
                 tiles.append(wt)
                 continue
-            tile_bf16 = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
             if a_in_registers:
-                tiles.append(tile_bf16)
+                # 4-byte shared-memory loads (the wgmma layout's would be 2-byte), then one warp
+                # shuffle per register into the wgmma layout, still as fp8
+                vals = plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
+                tiles.append((vals.astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16))
             else:
+                tile_bf16 = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
                 wb_smem[j] = tile_bf16
                 tiles.append(wb_smem.at[j])
             j += 1
