@@ -22,8 +22,13 @@ shared expert's CTAs fill SMs that the routed grid leaves idle.
 
 fp8 weights (``QuantizedWeight``: e4m3 with one scale per 128 x 128 block, DeepSeek's
 layout) stream at half the bytes; Hopper's wgmma has no mixed fp8 x bf16 form, so each step
-dequantises the fp8 tile through registers into a bf16 tile (the CTA's tile scales are
-loaded once) before the wgmma. With one compute warpgroup that pass runs in series with the
+converts the fp8 tile through registers (the CTA's tile scales are loaded once) before the
+wgmma. With fp8 weights in every stack it runs in f16: one ``cvt.rn.f16x2.e4m3x2`` and one
+f16x2 multiply per pair of weights (by the block scale relative to the tile's largest: exact
+for power-of-two scales), where a bf16 tile costs a conversion to f32 and back; the
+activations go in as f16 (pass them so, else the kernel converts them: a pass over x), and
+the tile's largest scale multiplies the fp32 accumulator in the epilogue. The output keeps the
+activations' dtype. With one compute warpgroup that pass runs in series with the
 wgmma; warp specialised, the two compute warpgroups split the tile's columns
 (``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
 warpgroup streams the next (measured no faster than one warpgroup on the H200:
@@ -223,6 +228,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
     swap = cfg.swap_ab
+    out_dtype = lhs.dtype
+    # fp8 weights in every stack: the wgmma runs in f16. A weight tile converts with one cvt per
+    # pair and one multiply by its block scale relative to the tile's largest (exact for
+    # power-of-two scales); the activations are f16 (exact for bf16 values within f16's
+    # range); the tile's largest scale multiplies the fp32 accumulator in the epilogue.
+    f16 = quantized and all(isinstance(w, QuantizedWeight) for st in stacks for w in st)
+    if f16:
+        lhs = lhs.astype(jnp.float16)
+    tile_dtype = jnp.float16 if f16 else jnp.bfloat16   # of the converted fp8 weight tiles
     # The 0.10 Mosaic GPU interpreter cannot feed a transposed shared-memory view to wgmma,
     # so interpreted runs read the B operand pre-transposed to [in, out]: the weights
     # ([E, in, out]), or the rows ([K, M]) when swapped; the GPU reads both as they are.
@@ -240,21 +254,44 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     bc = cfg.cols
     acc_shapes = [plgpu.ACC((bc, rows) if swap else (bm, bc))] * n_ops
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
-    # kernel operands per stack: each weight, then the tile scales of its fp8 weights
+    # kernel operands per stack: each weight, then the tile scales of its fp8 weights (f16:
+    # relative to each tile's largest, and then those largest ones)
     flat = []
     for st in stacks:
         flat += [w.q if isinstance(w, QuantizedWeight) else w for w in st]
-        flat += [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
+        tile_scales = [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
+        largest = [t.max(axis=-1) for t in tile_scales] if f16 else []
+        flat += [t / big[..., None] for t, big in zip(tile_scales, largest)] if f16 else tile_scales
+        flat += largest
+
+    def stacks_refs(w_gmem):
+        """Per stack: (first expert id, experts, weights, scale rows, largest scales)."""
+        out = []
+        for lo, st in zip(first, stacks):
+            n_q = sum(isinstance(w, QuantizedWeight) for w in st)
+            n_big = n_q if f16 else 0
+            out.append((lo, st[0].shape[0], w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q],
+                        w_gmem[n_ops + n_q:n_ops + n_q + n_big]))
+            w_gmem = w_gmem[n_ops + n_q + n_big:]
+        return out
 
     def per_stack(expert, w_gmem, run):
         """``run(weights, scale rows)`` with this expert's refs, under the stack that owns it."""
-        for lo, st in zip(first, stacks):
-            n_q = sum(isinstance(w, QuantizedWeight) for w in st)
-            refs, scales, w_gmem = w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q], w_gmem[n_ops + n_q:]
-
-            @pl.when((expert >= lo) & (expert < lo + st[0].shape[0]))
+        for lo, n_e, refs, scales, _ in stacks_refs(w_gmem):
+            @pl.when((expert >= lo) & (expert < lo + n_e))
             def _(refs=refs, scales=scales, lo=lo):
                 run(tuple(w.at[expert - lo] for w in refs), tuple(s.at[expert - lo] for s in scales))
+
+    def tile_factors(expert, ni, w_gmem):
+        """f16: per operand, the largest block scale of this tile's weights (else None)."""
+        if not f16:
+            return None
+        factors = [0.0] * n_ops
+        for lo, n_e, _, _, largest in stacks_refs(w_gmem):
+            mine = (expert >= lo) & (expert < lo + n_e)
+            for j, big in enumerate(largest):
+                factors[j] = factors[j] + jnp.where(mine, big[jnp.clip(expert - lo, 0, n_e - 1), ni], 0.0)
+        return factors
 
     def load_scales(scales, s_smem, barrier, ni, first=0):
         """This CTA's tile scales of each fp8 weight (one row per weight), loaded once, each
@@ -273,14 +310,18 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             if wq.dtype == jnp.bfloat16:
                 tiles.append(wt)
                 continue
-            if a_in_registers:
-                # 4-byte shared-memory loads (the wgmma layout's would be 2-byte), then one warp
-                # shuffle per register into the wgmma layout, still as fp8
-                vals = plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
-                tiles.append((vals.astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16))
+            # swapped: 4-byte shared-memory loads (the wgmma layout's would be 2-byte), then one
+            # warp shuffle per register into the wgmma layout, still as fp8
+            vals = (plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
+                    if a_in_registers else wt[...])
+            if f16:
+                converted = vals.astype(jnp.float16) * s_smem[j, step].astype(jnp.float16)
             else:
-                tile_bf16 = (wt[...].astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
-                wb_smem[j] = tile_bf16
+                converted = (vals.astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
+            if a_in_registers:
+                tiles.append(converted)
+            else:
+                wb_smem[j] = converted
                 tiles.append(wb_smem.at[j])
             j += 1
         if not a_in_registers:
@@ -301,10 +342,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def store(accs, o_smem, o_gmem, s_smem=None):
-        """The epilogue; persistent, the store's wait moves to the next tile's epilogue (the
-        store overlaps the next main loop) and the kernel's end."""
-        out = epilogue(*(a[...] for a in accs))
+    def store(accs, o_smem, o_gmem, s_smem=None, factors=None):
+        """The epilogue (``factors``: see ``tile_factors``); persistent, the store's wait moves
+        to the next tile's epilogue (the store overlaps the next main loop) and the kernel's end."""
+        out = epilogue(*(a[...] if f is None else a[...] * f for a, f in zip(accs, factors or [None] * n_ops)))
         if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
             sc = s_smem[...]
             if interpret is None:  # a vector of the accumulator layout's rows (columns)
@@ -369,7 +410,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             n_q = len(scales)
             pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),
                           plgpu.Barrier(num_arrivals=1, num_barriers=n_q),
-                          *(() if a_in_registers else (plgpu.SMEM((n_q, *tile), jnp.bfloat16),)))
+                          *(() if a_in_registers else (plgpu.SMEM((n_q, *tile), tile_dtype),)))
 
         @pl.when(expert >= 0)
         def _():
@@ -382,7 +423,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 if scaled:
                     plgpu.barrier_wait(barrier)
                 pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
-                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem), plgpu.SMEM((rows, bn), lhs.dtype))
+                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem, tile_factors(expert, ni, w_gmem)),
+                    plgpu.SMEM((rows, bn), out_dtype))
 
             if scaled:  # (register and shared-memory allocations take separate scopes)
                 pl.run_scoped(lambda s_smem, barrier: pl.run_scoped(
@@ -412,15 +454,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
 
         @functools.partial(pl.run_scoped, allocs=pipeline(unused, unused, 0, 0).get_allocations(*shapes),
-                           o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), lhs.dtype, transforms=(
+                           o_smem=plgpu.SMEM((cfg.compute_wgs, 2, bm, EPI_COLS), out_dtype, transforms=(
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
-                           if bc % EPI_COLS == 0 and lhs.dtype == jnp.bfloat16 and not swap
-                           else plgpu.SMEM((cfg.compute_wgs, bm, bc), lhs.dtype),
+                           if bc % EPI_COLS == 0 and out_dtype == jnp.bfloat16 and not swap
+                           else plgpu.SMEM((cfg.compute_wgs, bm, bc), out_dtype),
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max),
                                 # the dequantised tiles, unless they go to the wgmma from registers
                                 *(() if a_in_registers else (plgpu.SMEM(
-                                    (cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))), jnp.bfloat16),)))
+                                    (cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))), tile_dtype),)))
                            if n_q_max else None,
                            row_scales=(plgpu.SMEM((cfg.compute_wgs, bm), jnp.float32),
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
@@ -452,7 +494,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         def scope(*accs):
                             body(accs)
                             store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
-                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem)
+                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem,
+                                  tile_factors(expert, ni, w_gmem))
                         pl.run_scoped(scope, *acc_shapes)
 
                     pipeline(step, context, mi, ni)(lhs_gmem, *w, allocations=allocs)
@@ -469,7 +512,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
            else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
