@@ -377,7 +377,8 @@ def _ptx(asm, *args):
 
 
 def _init_full_barriers(ctx, bars):
-    """All threads: thread 0 initialises the slots' barriers for 128 arrivals; then a CTA sync."""
+    """All threads: thread 0 initialises the slots' barriers for 128 arrivals and the zero word
+    after them (see ``sparse_mqa``); then a CTA sync."""
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     tid = mgpu_utils.thread_idx()
@@ -387,6 +388,8 @@ def _init_full_barriers(ctx, bars):
     for k in range(SLOTS):
         ptr = mgpu_utils.getelementptr(base, [8 * k], ir.IntegerType.get_signless(8))
         _ptx(f"{{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP}; }}", ptr, tid)
+    ptr = mgpu_utils.getelementptr(base, [8 * SLOTS], ir.IntegerType.get_signless(8))   # the zero word
+    _ptx("{ .reg .pred p; setp.eq.u32 p, $1, 0; @p st.shared.u32 [$0], 0; }", ptr, tid)
     _ptx("fence.mbarrier_init.release.cluster;")
     _ptx("bar.sync 0;")
 
@@ -704,10 +707,13 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 if fp8 and "dequant" not in skip:
                                     dequantize(slot)
                                 my_kt = kt.at[slot, wg]
+                                # q's tile through a zero loaded here: with a loop-invariant index,
+                                # LLVM hoists all 16 wgmma descriptors of q (32 registers) out of the loop
+                                my_q = q_smem.at[wg if interpreting else wg + full[2 * SLOTS]]
                                 if "mma" in skip:
                                     s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                                 else:
-                                    s_part = _mma(None, q_smem.at[wg], my_kt, transpose_b=True,
+                                    s_part = _mma(None, my_q, my_kt, transpose_b=True,
                                                   interpreting=interpreting)
                                 if "exchange" in skip:
                                     s = s_part * qk_scale
@@ -781,8 +787,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
             plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
-            # a slot is full: mbarriers for cp.async arrivals (8 bytes each), or interpreted Pallas ones
-            plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS,), jnp.int32),
+            # a slot is full: mbarriers for cp.async arrivals (8 bytes each; then a zero word), or
+            # interpreted Pallas ones
+            plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS + 1,), jnp.int32),
             plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
             plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
