@@ -401,13 +401,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 load_scales(scales, s_smem, barrier, ni)
 
                 def step(idx, x, *w_smem):
-                    if a_in_registers:  # convert this step's tiles while the last step's wgmma runs
-                        tiles = dequantized(w_smem, w, s_smem, wb_smem, idx[0])
-                        plgpu.wgmma_wait(0)
-                    else:
-                        plgpu.wgmma_wait(0)  # the last step's wgmma has read wb_smem
-                        tiles = dequantized(w_smem, w, s_smem, wb_smem, idx[0])
-                    mma(accs, x, tiles)
+                    plgpu.wgmma_wait(0)  # the last step's wgmma has read its operands
+                    mma(accs, x, dequantized(w_smem, w, s_smem, wb_smem, idx[0]))
                 # delay_release=1 here too: step s's wgmma reads its x slot asynchronously
                 # until step s+1's wgmma_wait, so the slot may only be refilled after that
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
