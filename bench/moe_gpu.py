@@ -86,13 +86,14 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True)),
     (GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)),
     (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
-    # 128-deep steps: half as many barrier round trips per weight byte
+    # 128-deep steps: half as many steps (each a barrier wait, a conversion and a wgmma wait in
+    # series) per weight byte; 17-24% faster at 16-64 rows per expert (bench/RESULTS.md)
     (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
     (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
-    # two or three CTAs per SM (shared memory for 2-3 stages): their conversions overlap
-    (GemmConfig(16, 64, 128, 3, swap_ab=True), GemmConfig(16, 128, 128, 2, swap_ab=True)),
+    # ... with shared memory for two CTAs per SM, whose steps overlap (16 rows: 7% faster again)
     (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
-    (GemmConfig(64, 64, 128, 2, swap_ab=True), GemmConfig(64, 128, 128, 2, swap_ab=True)),
+    (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 64, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 2, swap_ab=True)),
     # warp specialised: each of two compute warpgroups converts its 64 weight rows of a tile
     # while the TMA warpgroup streams the next tiles
     (GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True), GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True)),

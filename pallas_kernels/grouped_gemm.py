@@ -37,6 +37,11 @@ Hopper reads from registers: the converted tile goes from registers straight int
 with no bf16 copy through shared memory and no fence; warp specialised, two compute
 warpgroups each convert their 64 weight rows of a tile while the TMA warpgroup streams the
 next (the shape of JAX's ``hopper_mixed_type_matmul_mgpu``).
+On the H200 (bench/RESULTS.md) the swapped fp8 kernels are bound by that chain per step (TMA
+wait, conversion, wgmma, its wait), not by the weight stream: 128-deep steps and two CTAs per
+SM take 16 rows per expert to 1.6x the fp8 roofline. Converting the next tile before waiting
+for the last wgmma gave wrong results there: the compiler reuses the in-flight wgmma's
+registers.
 
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one

@@ -118,9 +118,11 @@ early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots 128
 tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch ``seesaw-wip``) is correct
 in the interpreter and on the H200, and 1.2-1.7x slower than split D (bench/RESULTS.md): without
 (3) and (4) each pair's hand-offs leave the tensor cores idle. With (3) and (4) as well (branch
-``seesaw2``) it is 9-13% faster than that, still 1.4x slower than split D, and it spills
-about 1 KB per compute thread (ptxas): with static tile refs, all 64 wgmma descriptors of a
-QK^T are loop-invariant and LLVM hoists them into registers (the PTX shows it).
+``seesaw2``) and its tiles indexed through a zero loaded in each pair (static tile refs make
+all 64 wgmma descriptors of a QK^T loop-invariant, and LLVM hoisted them into 128 registers:
+the PTX showed it), it runs level with split D at prefill and 8% behind at decode-256, and
+still spills 416 bytes per compute thread (bench/RESULTS.md). Split D indexes q's tile the same
+way: its 16 descriptors were hoisted too (32 registers); without them it does not spill.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
