@@ -95,9 +95,10 @@ def quantized(key, shape):
 
 
 @pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n"),
-                                 GemmConfig(24, 128, 64, 2, swap_ab=True),
+                                 GemmConfig(24, 128, 64, 2, swap_ab=True), GemmConfig(16, 64, 128, 2, swap_ab=True),
                                  GemmConfig(24, 128, 64, 2, compute_wgs=2, split="n", swap_ab=True)],
-                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab", "warp-specialised-swap-ab"])
+                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab", "swap-ab-128-deep",
+                              "warp-specialised-swap-ab"])
 def test_fp8_block_scaled_weights_match_reference(cfg, rng):
     """fp8 routed and shared experts, dequantised in the kernel (by one warpgroup, or by two,
     each its half of the tile's columns)."""
@@ -185,6 +186,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
     (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True), True),
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True), True),  # 128-deep
     (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), True),
     (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), False),
 ])
