@@ -94,6 +94,9 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
     (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
     (GemmConfig(64, 64, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 2, swap_ab=True)),
+    # 128 rows (T256: every weight tile converted half as often as with 64-row blocks)
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
+    (GemmConfig(128, 64, 128, 3, swap_ab=True), GemmConfig(128, 128, 128, 2, swap_ab=True)),
     # warp specialised: each of two compute warpgroups converts its 64 weight rows of a tile
     # while the TMA warpgroup streams the next tiles
     (GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True), GemmConfig(16, 128, 64, 8, 2, "n", swap_ab=True)),
