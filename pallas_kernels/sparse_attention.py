@@ -123,6 +123,9 @@ all 64 wgmma descriptors of a QK^T loop-invariant, and LLVM hoisted them into 12
 the PTX showed it), it runs level with split D at prefill and 8% behind at decode-256, and
 still spills 416 bytes per compute thread (bench/RESULTS.md). Split D indexes q's tile the same
 way: its 16 descriptors were hoisted too (32 registers); without them it does not spill.
+Branch ``split-d-pipe`` (built, not measured) keeps split D and overlaps instead within each
+warpgroup: 32-key chunks in four slots (the same 128 KB), chunk g+1's QK^T issued before chunk
+g's exchange and softmax.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
