@@ -6,6 +6,10 @@ holds the router (``gate [E, D]``, ``bias``, ``bias_vl``), the routed experts st
 expert. The reference path sorts the (token, expert) pairs by expert and runs the grouped
 GEMMs with ``lax.ragged_dot``, which is the dispatch shape the Pallas kernel keeps.
 
+Expert weights (routed and shared) are bf16 arrays or fp8 ``QuantizedWeight`` stacks (e4m3
+with one power-of-two scale per 128 x 128 block; ``quantize_experts`` makes them): the Pallas
+kernels convert the fp8 tiles in registers, the reference dequantises them first.
+
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
 weight multiplies the SwiGLU activation before the down projection (it matters once h is
@@ -26,7 +30,9 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import HIGHEST, linear
-from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu
+from pallas_kernels.grouped_gemm import GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,29 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     return jax.nn.silu(gate) * up
 
 
+def dense(w, dtype) -> jnp.ndarray:
+    """An expert weight as an array (fp8 stacks dequantised) for the XLA paths."""
+    return w.dequantized(dtype) if isinstance(w, QuantizedWeight) else w
+
+
+def quantize_experts(p: dict) -> dict:
+    """An MoE parameter dict with its routed and shared expert weights as fp8 ``QuantizedWeight``
+    (e4m3, one power-of-two scale per 128 x 128 block); ValueError if a dimension is not a
+    multiple of 128."""
+    def quantized(w):
+        if w.shape[-1] % 128 or w.shape[-2] % 128:
+            raise ValueError(f"fp8 expert weights need dimensions divisible by 128, got {tuple(w.shape)}")
+        return QuantizedWeight.from_float(w)
+    out = {**p, **{k: quantized(p[k]) for k in EXPERT_WEIGHTS}}
+    if "shared" in p:
+        out["shared"] = {k: quantized(p["shared"][k]) for k in EXPERT_WEIGHTS}
+    return out
+
+
 def shared_expert(x: jnp.ndarray, p: dict, limit: float) -> jnp.ndarray:
-    h = swiglu(linear(x, p["w1"]), linear(x, p["w3"]), limit)
-    return linear(h.astype(x.dtype), p["w2"])
+    w1, w3, w2 = (dense(p[k], x.dtype) for k in EXPERT_WEIGHTS)
+    h = swiglu(linear(x, w1), linear(x, w3), limit)
+    return linear(h.astype(x.dtype), w2)
 
 
 def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts: int):
@@ -87,7 +113,7 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
 
 
-def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int):
+def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int, fp8: bool):
     """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
 
     From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): below 128 rows per expert the
@@ -97,8 +123,20 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win, each with 64 rows, in
     the grouped tile order (bands of 8 row blocks: 3-11% faster than the same tiles ungrouped
     at 1024 and 4096 rows per expert, 3-7% at 256, balanced and skewed).
+
+    fp8 weights: swapped tiles of 64 weight rows at every size (the converted weight tile is the
+    wgmma's register operand). Up to 64 rows per expert their steps are 128 deep, and 16-row
+    tiles with two CTAs per SM win at 16 rows per expert; from 256 rows, 64 deep (measured
+    best at 256, the largest size timed).
     """
-    if n_rows >= 128 * n_experts:
+    if fp8:
+        if n_rows <= 16 * n_experts:
+            cfgs = GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)
+        elif n_rows <= 64 * n_experts:
+            cfgs = GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
+        else:
+            cfgs = GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)
+    elif n_rows >= 128 * n_experts:
         cfgs = GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)
     elif n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)
@@ -158,12 +196,13 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]
+    fp8 = any(isinstance(w, QuantizedWeight) for q in (p, p.get("shared") or {}) for w in q.values())
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
-    cfgs = _kernel_configs(x, n, n_experts, d, inter)
+    cfgs = _kernel_configs(x, n, n_experts, d, inter, fp8)
     shared = p.get("shared")
     fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
                    and shared["w2"].shape == (d, inter))
@@ -172,7 +211,7 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)
         pair_rows = dest[inv]
     else:
-        out = _experts_reference(x[tokens], row_w, p["w1"], p["w3"], p["w2"], group_sizes,
+        out = _experts_reference(x[tokens], row_w, *(dense(p[k], x.dtype) for k in EXPERT_WEIGHTS), group_sizes,
                                  spec.swiglu_limit)
         pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows

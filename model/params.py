@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mega.moe import quantize_experts
 from model.config import ModelConfig
 
 # Tensors the reference keeps in fp32 whatever the model dtype (mHC, sinks, router biases).
@@ -129,3 +130,13 @@ def build_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict:
 def abstract_params(cfg: ModelConfig, param_dtype: Any = jnp.float32) -> dict:
     """The pytree of ``jax.ShapeDtypeStruct`` the model expects."""
     return build_tree(cfg, {s.path: jax.ShapeDtypeStruct(s.shape, s.dtype(param_dtype)) for s in param_specs(cfg)})
+
+
+def with_fp8_experts(params: dict) -> dict:
+    """``params`` with every MoE block's routed and shared expert weights in fp8
+    (``mega.moe.quantize_experts``: e4m3, one power-of-two scale per 128 x 128 block)."""
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: quantize_experts(v) if k == "moe" else walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+    return walk(params)

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8_e4m3: keep the sliding-window KV as e4m3 values + UE8M0 scales (the model's own "
                          "FP8 window format, so the same outputs; 528 bytes a row at head_dim 512); the compressed "
                          "pools keep the model dtype")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="fp8: store the routed and shared expert weights as e4m3 with one power-of-two scale per "
+                         "128 x 128 block, quantised at load (half the expert memory; the MoE kernels convert "
+                         "them in registers). Needs hidden and expert sizes divisible by 128")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--no-warmup", action="store_true")
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_running=args.max_running_requests, max_len=args.context_length,
                               page_size=args.page_size, prefill_budget=args.chunked_prefill_size,
                               decoder_replay=args.decoder_replay, overlap=not args.disable_overlap_schedule,
-                              prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype)
+                              prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
+                              quantization=args.quantization)
         if args.model:
             engine = Engine.from_model_dir(args.model, config)
             name = args.served_model_name or Path(args.model).resolve().name

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                     help="fp8_e4m3: the sliding-window KV as e4m3 + UE8M0 scales (same outputs)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="fp8: expert weights as e4m3 with 128 x 128 block scales, quantised at load")
     ap.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
     args = ap.parse_args(argv)
 
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_running=args.max_running, max_len=args.max_len,
                               prefill_budget=args.prefill_budget, page_size=args.page_size,
                               decoder_replay=args.decoder_replay,
-                              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype)
+                              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
+                              quantization=args.quantization)
         engine = Engine.from_model_dir(args.model, config)
         for n, (prompt, params) in enumerate(requests, 1):
             try:

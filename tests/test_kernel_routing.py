@@ -2,7 +2,8 @@
 
 Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
 decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
-MegaAttention kernel accepts, and the MoE calls the grouped kernels. The kernels' numerics
+MegaAttention kernel accepts, and the MoE calls the grouped kernels (with fp8 expert weights
+under ``quantization="fp8"``). The kernels' numerics
 are tested against their references in ``test_pallas_*``; here each kernel is stood in for by
 its reference behind a recorder (interpreted, the attention kernel takes minutes per step at
 64 heads, and engine steps full of interpreter callbacks are better kept out of the suite's
@@ -17,7 +18,7 @@ import pytest
 import mega.attention
 import mega.moe
 from checkpoints.init import init_params
-from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
+from pallas_kernels.grouped_gemm import QuantizedWeight, grouped_matmul_reference, grouped_swiglu_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -34,10 +35,10 @@ def kernel_sized():
     return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e4m3", "none"), ("auto", "fp8")])
+def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantization, monkeypatch):
     cfg, params = kernel_sized
-    seen = {"attention": [], "moe": 0}
+    seen = {"attention": [], "moe": 0, "expert_weights": set()}
 
     def attention_kernel(q, pools, sink, scale, interpret=None):
         seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
@@ -45,6 +46,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch
 
     def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None):
         seen["moe"] += 1
+        seen["expert_weights"] |= {isinstance(w, QuantizedWeight) for w in (w1, w3, *(shared or ()))}
         return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
                                         row_scale=row_scale)
 
@@ -56,13 +58,15 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, monkeypatch
     monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
     monkeypatch.setattr(mega.moe, "grouped_matmul", matmul_kernel)
     engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
-                                              kv_cache_dtype=kv_cache_dtype))
+                                              kv_cache_dtype=kv_cache_dtype, quantization=quantization))
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
                           {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": True},
                           decode_text=False)
     window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
+    # --quantization fp8: every routed and shared expert stack reaches the kernels as fp8
+    assert seen["expert_weights"] == {quantization == "fp8"}
     for dtypes, fits in seen["attention"]:
         assert fits and dtypes[0] == window and all(d == jnp.bfloat16 for d in dtypes[1:])
     assert any(len(dtypes) == 2 for dtypes, _ in seen["attention"])   # the KV source's compressed pool

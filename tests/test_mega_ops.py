@@ -10,7 +10,8 @@ import pytest
 from mega.attention import attention
 from mega.engram import engram
 from mega.mhc import Update, mhc_step
-from mega.moe import MoeSpec, moe
+import mega.moe
+from mega.moe import EXPERT_WEIGHTS, MoeSpec, QuantizedWeight, moe, quantize_experts
 
 
 def rope_np(x, cos, sin, inverse=False):
@@ -58,38 +59,72 @@ def test_attention_matches_numpy(seed):
     assert np.abs(got[0]).max() == 0  # nothing to read: the sink absorbs all weight
 
 
-@pytest.mark.parametrize("skew", [False, True])
-def test_moe_matches_numpy(skew):
-    rng = np.random.default_rng(3 + skew)
-    t, d, inter, e, k, limit = 23, 32, 16, 6, 2, 2.0
-    x = rng.normal(size=(t, d)).astype(np.float32)
+def _moe_params(rng, d, inter, e):
     p = {"gate": rng.normal(size=(e, d)) / np.sqrt(d), "bias": rng.normal(size=e) * 0.1,
          "bias_vl": np.zeros(e), "w1": rng.normal(size=(e, inter, d)) / np.sqrt(d),
          "w3": rng.normal(size=(e, inter, d)) / np.sqrt(d), "w2": rng.normal(size=(e, d, inter)) / np.sqrt(inter),
          "shared": {"w1": rng.normal(size=(inter, d)) / np.sqrt(d), "w3": rng.normal(size=(inter, d)) / np.sqrt(d),
                     "w2": rng.normal(size=(d, inter)) / np.sqrt(inter)}}
-    if skew:  # one expert takes nearly every token, two get none: ragged, uneven groups
-        p["bias"] = np.array([5.0, 0.0, 0.0, 0.0, -9.0, -9.0])
-    p = {kk: ({a: np.asarray(b, np.float32) for a, b in v.items()} if isinstance(v, dict) else np.asarray(v, np.float32))
-         for kk, v in p.items()}
-    spec = MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=limit)
-    got = np.asarray(moe(jnp.asarray(x), {a: (jnp.asarray(b) if not isinstance(b, dict) else
-                                              {c: jnp.asarray(v) for c, v in b.items()}) for a, b in p.items()}, spec))
+    return jax.tree.map(lambda v: np.asarray(v, np.float32), p)
 
+
+def _moe_np(x, p, k, routed_scale, limit):
     def expert(v, w1, w3, w2, weight):
         g, u = np.minimum(w1 @ v, limit), np.clip(w3 @ v, -limit, limit)
         return w2 @ (weight * silu(g) * u)
 
-    want = np.zeros((t, d))
-    for i in range(t):
+    want = np.zeros(x.shape)
+    for i in range(x.shape[0]):
         xi = x[i].astype(np.float64)
         sc = np.sqrt(np.log1p(np.exp(p["gate"] @ xi)))
         ids = np.argsort(-(sc + p["bias"]), kind="stable")[:k]
-        wts = 1.5 * sc[ids] / (sc[ids].sum() + 1e-20)
+        wts = routed_scale * sc[ids] / (sc[ids].sum() + 1e-20)
         for j, wt in zip(ids, wts):
             want[i] += expert(xi, p["w1"][j], p["w3"][j], p["w2"][j], wt)
         want[i] += expert(xi, p["shared"]["w1"], p["shared"]["w3"], p["shared"]["w2"], 1.0)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    return want
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_moe_matches_numpy(skew):
+    rng = np.random.default_rng(3 + skew)
+    t, d, inter, e, k, limit = 23, 32, 16, 6, 2, 2.0
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    p = _moe_params(rng, d, inter, e)
+    if skew:  # one expert takes nearly every token, two get none: ragged, uneven groups
+        p["bias"] = np.array([5.0, 0.0, 0.0, 0.0, -9.0, -9.0], np.float32)
+    spec = MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=limit)
+    got = np.asarray(moe(jnp.asarray(x), jax.tree.map(jnp.asarray, p), spec))
+    np.testing.assert_allclose(got, _moe_np(x, p, k, 1.5, limit), rtol=1e-4, atol=1e-4)
+
+
+def test_moe_with_fp8_experts(monkeypatch):
+    """fp8 expert stacks (``quantize_experts``): the reference path computes with their
+    dequantised values, and the interpreted Pallas kernels (swapped fp8 tiles, the shared
+    expert fused in) agree with it."""
+    rng = np.random.default_rng(11)
+    t, d, inter, e, k, limit = 20, 128, 128, 4, 2, 2.0
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    p = _moe_params(rng, d, inter, e)
+    q = quantize_experts(jax.tree.map(jnp.asarray, p))
+    assert all(isinstance(w, QuantizedWeight) for w in [q[n] for n in EXPERT_WEIGHTS] + list(q["shared"].values()))
+    deq = {**p, **{n: np.asarray(q[n].dequantized()) for n in EXPERT_WEIGHTS},
+           "shared": {n: np.asarray(w.dequantized()) for n, w in q["shared"].items()}}
+    spec = MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=limit)
+    np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x), q, spec)), _moe_np(x, deq, k, 1.5, limit),
+                               rtol=1e-4, atol=1e-4)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    ref = np.asarray(moe(xb, q, spec), np.float32)
+    monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    assert mega.moe._kernel_configs(xb, t * k, e, d, inter, fp8=True) is not None   # the kernels do run
+    got = np.asarray(moe(xb, q, spec), np.float32)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_fp8_experts_need_128_blocks():
+    p = _moe_params(np.random.default_rng(0), 32, 16, 2)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        quantize_experts(jax.tree.map(jnp.asarray, p))
 
 
 def _mix_np(h, fn, base, scale, eps, hc_eps, iters):

@@ -51,3 +51,10 @@ def test_default_server_serves_and_shuts_down_cleanly():
             proc.kill()
         out = proc.stdout.read() if proc.stdout else ""
     assert "Traceback" not in out, out[-2000:]
+
+
+def test_fp8_experts_on_the_default_model_exit_with_the_reason():
+    """``--quantization fp8`` needs expert sizes divisible by 128; the default model's are 64."""
+    r = subprocess.run([sys.executable, "-m", "serve", "--quantization", "fp8", "--no-warmup", "--port",
+                        str(_free_port())], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2 and "divisible by 128" in r.stderr, r.stderr[-2000:]
