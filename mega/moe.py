@@ -67,7 +67,7 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     return jax.nn.silu(gate) * up
 
 
-def dense(w, dtype) -> jnp.ndarray:
+def _dense(w, dtype) -> jnp.ndarray:
     """An expert weight as an array (fp8 stacks dequantised) for the XLA paths."""
     return w.dequantized(dtype) if isinstance(w, QuantizedWeight) else w
 
@@ -87,7 +87,7 @@ def quantize_experts(p: dict) -> dict:
 
 
 def shared_expert(x: jnp.ndarray, p: dict, limit: float) -> jnp.ndarray:
-    w1, w3, w2 = (dense(p[k], x.dtype) for k in EXPERT_WEIGHTS)
+    w1, w3, w2 = (_dense(p[k], x.dtype) for k in EXPERT_WEIGHTS)
     h = swiglu(linear(x, w1), linear(x, w3), limit)
     return linear(h.astype(x.dtype), w2)
 
@@ -196,7 +196,8 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]
-    fp8 = any(isinstance(w, QuantizedWeight) for q in (p, p.get("shared") or {}) for w in q.values())
+    stacks = [p] + ([p["shared"]] if "shared" in p else [])
+    fp8 = any(isinstance(s[k], QuantizedWeight) for s in stacks for k in EXPERT_WEIGHTS)
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
@@ -211,7 +212,7 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)
         pair_rows = dest[inv]
     else:
-        out = _experts_reference(x[tokens], row_w, *(dense(p[k], x.dtype) for k in EXPERT_WEIGHTS), group_sizes,
+        out = _experts_reference(x[tokens], row_w, *(_dense(p[k], x.dtype) for k in EXPERT_WEIGHTS), group_sizes,
                                  spec.swiglu_limit)
         pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows
