@@ -79,53 +79,53 @@ own bf16 half-tile, so a warpgroup's in-place dequantisation never touches anoth
 Registers per compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8
 dequant the acc + 64 for the fp8 half + 16 scales.
 
-Where the time goes (H200, stage removal, bench/RESULTS.md): the row copies, the MMAs and
-the logit exchange add up almost exactly, i.e. they barely overlap. Per 64-key chunk the
-MMAs read 192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 MACs per
-byte, which is what the tensor cores consume at the 128 B/clock shared-memory rate), the
-exchange moves 64 KB and the copies write 64 KB, so shared-memory bandwidth, not the tensor
-cores, bounds a chunk; and both compute warpgroups run QK^T, softmax and P @ V in lockstep,
-so the tensor cores idle during the softmax. FlashMLA's split (each warpgroup computes the
-full-D QK^T and softmax of every other chunk and publishes P, 8 KB, instead of exchanging
-fp32 partial logits) was tried and measured 1.3x slower (bench/RESULTS.md): the softmax steps
-then form one chain that alternates between the warpgroups through shared memory and
-barriers, and that chain, not the tensor cores, set the pace. FlashMLA keeps the tensor
-cores busy through the chain by issuing a warpgroup's next QK^T before it waits on the
-other's softmax; with whole-slot barriers that next chunk (two ahead) waits for the slot
-both warpgroups' P @ V of the current chunk still read, and a whole gather (FlashMLA frees
-and refills each D half of a slot on its own: see "Next" below). Timed at 4, 10 and 25 chunks per query, a CTA costs
-3.15 us per chunk plus 4 us (prefill; 8-9 us at decode, launch included), so a persistent
-grid that hid one token's prologue and epilogue behind the previous token's chunks would
-save at most ~11% (prefill) to ~20% (decode); the persistent grid above saves about 3% (it
-still waits for each item's q, and a chunk's cost is unchanged). Overlapping one chunk's
-softmax with the next chunk's QK^T (FlashAttention-3's order) needs that chunk landed a
-step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226 of 227 KB.
-Keeping each chunk's P @ V in flight until the next chunk's QK^T (an in-place accumulator)
-was measured no faster (bench/RESULTS.md): the wgmma wait between them is not the cost.
+Where the time goes (H200, stage removal, bench/RESULTS.md): the row copies, the MMAs and the
+logit exchange add up almost exactly, i.e. they barely overlap. Per 64-key chunk the MMAs read
+192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 MACs per byte, which is
+what the tensor cores consume at the 128 B/clock shared-memory rate), the exchange moves 64 KB
+and the copies write 64 KB, so shared-memory bandwidth, not the tensor cores, bounds a chunk;
+and both compute warpgroups run QK^T, softmax and P @ V in lockstep, so the tensor cores idle
+during the softmax. FlashMLA's split (each warpgroup computes the full-D QK^T and softmax of
+every other chunk and publishes P, 8 KB, instead of exchanging fp32 partial logits) was tried
+and measured 1.3x slower (bench/RESULTS.md): the softmax steps then form one chain that
+alternates between the warpgroups through shared memory and barriers, and that chain, not the
+tensor cores, set the pace. FlashMLA keeps the tensor cores busy through the chain by issuing
+a warpgroup's next QK^T before it waits on the other's softmax; with whole-slot barriers that
+next chunk (two ahead) waits for the slot both warpgroups' P @ V of the current chunk still
+read, and a whole gather (FlashMLA frees and refills each D half of a slot on its own: see
+"Next" below). Timed at 4, 10 and 25 chunks per query, a CTA costs 3.15 us per chunk plus 4 us
+(prefill; 8-9 us at decode, launch included), so a persistent grid that hid one token's
+prologue and epilogue behind the previous token's chunks would save at most ~11% (prefill) to
+~20% (decode); the persistent grid above saves about 3% (it still waits for each item's q, and
+a chunk's cost is unchanged). Overlapping one chunk's softmax with the next chunk's QK^T
+(FlashAttention-3's order) needs that chunk landed a step earlier, i.e. a third 64 KB K/V
+slot, and the kernel already uses 226 of 227 KB (or smaller chunks in more slots: branch
+``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
+in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them
+is not the cost.
 
 Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel
 (``csrc/sm90/prefill/sparse``, the same problem at D = 512: 64 heads per CTA, 64-key blocks,
 two K/V slots, 640 TFLOP/s on an H800) runs the split we tried without the chain stalling,
-through four things our attempt lacked: (1) a one-way max dependency: warpgroup 0 uses its
-own running max and publishes it,
-warpgroup 1 takes the larger of that and its own, and warpgroup 0 later rescales its P and
-output by the difference, so no softmax waits on a round trip; (2) each warpgroup issues its
-own block's P @ V from registers right after its softmax, before any wait on the other; only
-the peer's P (8 KB bf16) goes through shared memory; (3) warpgroup 0 issues the next even
-block's QK^T right behind its last P @ V; (4) each K/V slot's two D halves have their own
-"full" and "free" barriers, so a half is refilled as soon as its readers are done and the
-early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots 128 KB + two P
-tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch ``seesaw-wip``) is correct
-in the interpreter and on the H200, and 1.2-1.7x slower than split D (bench/RESULTS.md): without
-(3) and (4) each pair's hand-offs leave the tensor cores idle. With (3) and (4) as well (branch
-``seesaw2``) and its tiles indexed through a zero loaded in each pair (static tile refs make
-all 64 wgmma descriptors of a QK^T loop-invariant, and LLVM hoisted them into 128 registers:
-the PTX showed it), it runs level with split D at prefill and 8% behind at decode-256, and
-still spills 416 bytes per compute thread (bench/RESULTS.md). Split D indexes q's tile the same
-way: its 16 descriptors were hoisted too (32 registers); without them it does not spill.
-Branch ``split-d-pipe`` (built, not measured) keeps split D and overlaps instead within each
-warpgroup: 32-key chunks in four slots (the same 128 KB), chunk g+1's QK^T issued before chunk
-g's exchange and softmax.
+through four things our attempt lacked: (1) a one-way max dependency: warpgroup 0 uses its own
+running max and publishes it, warpgroup 1 takes the larger of that and its own, and warpgroup
+0 later rescales its P and output by the difference, so no softmax waits on a round trip; (2)
+each warpgroup issues its own block's P @ V from registers right after its softmax, before any
+wait on the other; only the peer's P (8 KB bf16) goes through shared memory; (3) warpgroup 0
+issues the next even block's QK^T right behind its last P @ V; (4) each K/V slot's two D
+halves have their own "full" and "free" barriers, so a half is refilled as soon as its readers
+are done and the early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots
+128 KB + two P tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch
+``seesaw-wip``) is correct in the interpreter and on the H200, and 1.2-1.7x slower than split
+D (bench/RESULTS.md): without (3) and (4) each pair's hand-offs leave the tensor cores idle.
+With (3) and (4) as well (branch ``seesaw2``) and its tiles indexed through a zero loaded in
+each pair (static tile refs make all 64 wgmma descriptors of a QK^T loop-invariant, and LLVM
+hoisted them into 128 registers: the PTX showed it), it runs level with split D at prefill and
+8% behind at decode-256, and still spills 416 bytes per compute thread (bench/RESULTS.md).
+Split D indexes q's tile the same way: its 16 descriptors were hoisted too (32 registers);
+without them it does not spill. Branch ``split-d-pipe`` (built, not measured) keeps split D
+and overlaps instead within each warpgroup: 32-key chunks in four slots (the same 128 KB),
+chunk g+1's QK^T issued before chunk g's exchange and softmax.
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
