@@ -82,7 +82,7 @@ SWAP_CONFIGS = [
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True)),
 ]
 FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from registers (A operand)
-    (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),   # best at T256
+    (GemmConfig(64, 64, 64, 4, swap_ab=True), GemmConfig(64, 128, 64, 4, swap_ab=True)),
     # 128-deep steps: half as many steps (each a barrier wait, a conversion and a wgmma wait in
     # series) per weight byte; 17-24% faster at 16-64 rows per expert (bench/RESULTS.md)
     (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
@@ -91,7 +91,7 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
     (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
     (GemmConfig(64, 64, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 2, swap_ab=True)),
-    # 128 rows (T256: every weight tile converted half as often as with 64-row blocks)
+    # 128 rows (every weight tile converted half as often as with 64-row blocks): best at T256
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
     (GemmConfig(128, 64, 128, 3, swap_ab=True), GemmConfig(128, 128, 128, 2, swap_ab=True)),
     # warp specialised: each of two compute warpgroups converts its 64 weight rows of a tile

@@ -99,8 +99,8 @@ prologue and epilogue behind the previous token's chunks would save at most ~11%
 ~20% (decode); the persistent grid above saves about 3% (it still waits for each item's q, and
 a chunk's cost is unchanged). Overlapping one chunk's softmax with the next chunk's QK^T
 (FlashAttention-3's order) needs that chunk landed a step earlier, i.e. a third 64 KB K/V
-slot, and the kernel already uses 226 of 227 KB (or smaller chunks in more slots: branch
-``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
+slot, and the kernel already uses 226 of 227 KB; smaller chunks in more slots pay more than
+the overlap gains (branch ``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
 in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them
 is not the cost.
 
@@ -123,9 +123,11 @@ each pair (static tile refs make all 64 wgmma descriptors of a QK^T loop-invaria
 hoisted them into 128 registers: the PTX showed it), it runs level with split D at prefill and
 8% behind at decode-256, and still spills 416 bytes per compute thread (bench/RESULTS.md).
 Split D indexes q's tile the same way: its 16 descriptors were hoisted too (32 registers);
-without them it does not spill. Branch ``split-d-pipe`` (built, not measured) keeps split D
-and overlaps instead within each warpgroup: 32-key chunks in four slots (the same 128 KB),
-chunk g+1's QK^T issued before chunk g's exchange and softmax.
+without them it does not spill. Branch ``split-d-pipe`` keeps split D and overlaps within
+each warpgroup instead: 32-key chunks in four slots (the same 128 KB), chunk g+1's QK^T issued
+before chunk g's exchange and softmax. The overlap gains 2.5%, but an N = 32 QK^T reads q from
+shared memory twice as often per key (192 B/clock at the tensor peak, against 128), and the
+branch is 3% slower than main at decode-256 and 2-5% at prefill 4K (bench/RESULTS.md).
 
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
