@@ -15,8 +15,10 @@ copy bandwidth), bytes = weights + rows in + rows out.
 
 Up to 256 rows per expert, ``T…_fp8w`` cases also run the kernels on fp8 e4m3 weights with
 128 x 128 block scales (dequantised in-kernel), checked against the fp32 reference on the
-dequantised weights, against their own roofline (half the weight bytes). No peer here takes
-block-scaled fp8 grouped weights on Hopper (GPU_KERNELS.md §5), so those rows have none.
+dequantised weights, against their own roofline (half the weight bytes); ``T…_mxfp4w`` cases
+the same with MXFP4 weights (e2m1, a UE8M0 scale per 32: V4.1's expert format; a quarter of
+the bytes and 1/32 more). No peer here takes block-scaled fp8 or MXFP4 grouped weights on
+Hopper (GPU_KERNELS.md §5), so those rows have none.
 
 ``--shared 16,256``: those sizes also run with the shared expert, its T rows (one per token)
 as a 7th group: ``megajax_fused_shared`` is the model's form (routed stacks plus the shared
@@ -48,6 +50,7 @@ from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, r
                         time_jax_one_dispatch, time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
+from pallas_kernels.fp4 import Fp4Weight
 from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
                                          swiglu_f32)
 
@@ -100,6 +103,23 @@ FP8_SWAP_CONFIGS = [  # the dequantised weight tile fed to the wgmma from regist
     (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 8, 2, "n", swap_ab=True)),
     (GemmConfig(64, 128, 64, 5, 2, "n", swap_ab=True), GemmConfig(64, 128, 64, 6, 2, "n", swap_ab=True)),
 ]
+# MXFP4 weights (swapped, one compute warpgroup): a step is a quarter of bf16's bytes, so steps
+# 128 or 256 deep; small tiles leave room for several CTAs per SM
+MXFP4_CONFIGS = [
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(16, 64, 128, 8, swap_ab=True), GemmConfig(16, 128, 128, 6, swap_ab=True)),
+    (GemmConfig(16, 64, 256, 4, swap_ab=True), GemmConfig(16, 128, 256, 3, swap_ab=True)),
+    (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 4, swap_ab=True)),
+    (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True)),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
+    (GemmConfig(128, 64, 128, 4, swap_ab=True), GemmConfig(128, 128, 128, 3, swap_ab=True)),
+]
+# block-scaled weight formats beside bf16: (case suffix, quantiser, bytes per weight, configs)
+QUANTIZED = {
+    "fp8": ("_fp8w", QuantizedWeight.from_float, 1 + 4 / 128 ** 2, "fp8 e4m3 weights, 128x128 block scales"),
+    "mxfp4": ("_mxfp4w", Fp4Weight.from_float, 0.5 + 1 / 32, "MXFP4 weights (e2m1, UE8M0 per 32)"),
+}
 # compute-bound sizes (from 128 rows per expert): persistent CTAs, one per SM, each looping
 # over output tiles (the next tile's loads and the last tile's store overlap the epilogue and
 # the main loop)
@@ -236,7 +256,7 @@ def impls(xs, w1, w3, w2, counts):
     return out
 
 
-def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
+def run_case(t, routing, ceil, rows, roof, weights="bf16", shared=False):
     counts = counts_for(t, routing)
     if shared:   # the shared expert as one more group of rows: t tokens, each once
         counts = np.append(counts, t)
@@ -255,16 +275,16 @@ def run_case(t, routing, ceil, rows, roof, fp8w=False, shared=False):
         variants = impls(xs, w1, w3, w2, counts)
         variants.update(fused_shared_impls(xs, w1, w3, w2, counts))
         measure(key, case, variants, ref, rows, roof)
-    elif not fp8w:
+    elif weights == "bf16":
         measure(key, case, impls(xs, w1, w3, w2, counts), ref, rows, roof)
-    elif t <= 256:  # fp8 weights: the weight-streaming (decode) regime, against its own roofline
-        q1, q3, q2 = (QuantizedWeight.from_float(w) for w in (w1, w3, w2))
+    elif t <= 256:  # quantised weights: the weight-streaming (decode) regime, against their own roofline
+        suffix, quantize, per_weight, dtype = QUANTIZED[weights]
+        q1, q3, q2 = (quantize(w) for w in (w1, w3, w2))
         ref = np.asarray(reference(xs, *(q.dequantized() for q in (q1, q3, q2)),
                                    tuple(int(c) for c in counts)))
-        fp8_bytes = 3 * E * I * D * (1 + 4 / 128 ** 2) + 2 * n * D * 2
-        roof[key + "_fp8w"] = roofline_ms(flops, fp8_bytes, ceil)
-        measure(key + "_fp8w", {**case, "dtype": "fp8 e4m3 weights, 128x128 block scales"},
-                fp8_impls(xs, q1, q3, q2, counts), ref, rows, roof)
+        roof[key + suffix] = roofline_ms(flops, 3 * E * I * D * per_weight + 2 * n * D * 2, ceil)
+        measure(key + suffix, {**case, "dtype": dtype}, quantized_impls(weights, xs, q1, q3, q2, counts),
+                ref, rows, roof)
 
 
 def fused_shared_impls(xs, w1, w3, w2, counts):
@@ -294,18 +314,20 @@ def config_name(prefix, cu, cd):
             f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
 
 
-def fp8_impls(xs, q1, q3, q2, counts):
+def quantized_impls(weights, xs, q1, q3, q2, counts):
     n = int(counts.sum())
     out = {}
-    for cu, cd in configs_for(counts, FP8_CONFIGS, FP8_SWAP_CONFIGS):
+    configs = configs_for(counts, FP8_CONFIGS, FP8_SWAP_CONFIGS) if weights == "fp8" else MXFP4_CONFIGS
+    for cu, cd in configs:
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
         fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
             grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
             interpret=INTERPRET))
-        # the kernels compute in f16 with fp8 weights: f16 rows in (the dispatch's gather would
-        # write them so) keep a conversion pass out of the timed call, and h stays f16
-        out[config_name("megajax_fp8w", cu, cd)] = ("jax", fn, (x_al.astype(jnp.float16), q1, q3, q2, block_expert),
-                                                    lambda y, dest=dest: y[dest].astype(jnp.float32))
+        # the kernels compute in f16 with quantised weights: f16 rows in (the dispatch's gather
+        # would write them so) keep a conversion pass out of the timed call, and h stays f16
+        out[config_name("megajax" + QUANTIZED[weights][0], cu, cd)] = (
+            "jax", fn, (x_al.astype(jnp.float16), q1, q3, q2, block_expert),
+            lambda y, dest=dest: y[dest].astype(jnp.float32))
     return out
 
 
@@ -412,7 +434,8 @@ def main():
     ap.add_argument("--tokens", default="16,64,256,1024,4096")
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--skewed", default="16,256,4096", help="token counts also run with skewed routing")
-    ap.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (fp8 rows up to 256 tokens)")
+    ap.add_argument("--weights", default="bf16,fp8,mxfp4",
+                    help="any of bf16, fp8, mxfp4 (quantised rows up to 256 tokens)")
     ap.add_argument("--plot", help="write a PNG from the run (or from --from-json)")
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
@@ -422,7 +445,7 @@ def main():
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
                     "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
-    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, TRACE
+    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, MXFP4_CONFIGS, TRACE
     TRACE = args.trace
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
@@ -430,6 +453,7 @@ def main():
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
         CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS = CONFIGS[:1], SWAP_CONFIGS[:1], FP8_SWAP_CONFIGS[:1]
+        MXFP4_CONFIGS = MXFP4_CONFIGS[:1]
     if args.from_json:
         import json
         plot(json.load(open(args.from_json)), args.plot)
@@ -441,12 +465,14 @@ def main():
     cases = [(t, r) for r in args.routing.split(",") for t in map(int, args.tokens.split(","))]
     cases += [(int(t), "skewed") for t in args.skewed.split(",") if args.skewed]
     shared_cases = [int(t) for t in args.shared.split(",") if t]
-    # the fp8-weight cases last: a kernel fault spoils the process, not the rows before it
+    # the quantised-weight cases last: a kernel fault spoils the process, not the rows before it
     weights = args.weights.split(",")
-    runs = [(False, True, (t, "balanced")) for t in shared_cases]
-    runs += [(w == "fp8", False, c) for w in ("bf16", "fp8") if w in weights for c in cases]
-    for fp8w, shared, (t, routing) in runs:
-        run_case(t, routing, ceil, rows, roof, fp8w, shared)
+    if not set(weights) <= {"bf16", *QUANTIZED}:
+        ap.error(f"--weights takes bf16, fp8 and mxfp4, got {args.weights}")
+    runs = [("bf16", True, (t, "balanced")) for t in shared_cases]
+    runs += [(w, False, c) for w in ("bf16", *QUANTIZED) if w in weights for c in cases]
+    for w, shared, (t, routing) in runs:
+        run_case(t, routing, ceil, rows, roof, w, shared)
         payload = {**info, "benchmark": "moe_gpu", "ceilings": ceil, "rows": rows,
                    "roofline_ms": roof, "summary": summarize(rows, roof)}
         path = write("moe_gpu", payload)  # after every case: a killed run keeps what it measured

@@ -8,38 +8,17 @@ dimension that the block does not divide is left unquantised, as in the referenc
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
+from pallas_kernels.fp4 import FP4_MAX, Fp4Weight, e2m1_code, e2m1_value, pow2_ceil
 from pallas_kernels.sparse_attention import ue8m0
 
 FP8_MAX = 448.0
-FP4_MAX = 6.0
-# e2m1 magnitudes, and the thresholds between neighbours: ties round to the even code,
-# so a tie at an odd/even boundary goes up (>=) when the upper code is even.
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIE_UP = (False, True, False, True, False, True, False)
-
-
-def pow2_ceil(t: jnp.ndarray) -> jnp.ndarray:
-    """``2**ceil(log2 t)`` for positive float32 ``t``, from the IEEE bits (the UE8M0 scale)."""
-    bits = jax.lax.bitcast_convert_type(t.astype(jnp.float32), jnp.int32)
-    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    # Build 2**k from its exponent bits: exp2 is not exact on every backend.
-    return jax.lax.bitcast_convert_type((jnp.clip(k, -126, 127) + 127) << 23, jnp.float32)
 
 
 def e2m1_round(q: jnp.ndarray) -> jnp.ndarray:
     """Round pre-clamped float32 values to the e2m1 grid, ties to even."""
-    mag = jnp.abs(q)
-    code = jnp.zeros(q.shape, jnp.int32)
-    for bound, up in zip(_E2M1_BOUNDS, _TIE_UP):
-        b = jnp.float32(bound)
-        code += (mag >= b if up else mag > b).astype(jnp.int32)
-    value = jnp.asarray(_E2M1)[code]
-    return jnp.where(jnp.signbit(q), -value, value)
+    return e2m1_value(e2m1_code(q))
 
 
 def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
@@ -77,13 +56,10 @@ def fp4_block32_active(dim: int) -> bool:
 
 
 def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
-    """Indexer q/k quantiser: e2m1 with one power-of-two scale per 32 channels."""
+    """Indexer q/k quantiser: e2m1 with one power-of-two scale per 32 channels (MXFP4)."""
     if not fp4_block32_active(x.shape[-1]):
         return x
-    b = _blocks(x, 32)
-    scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
-    q = e2m1_round(jnp.clip(b / scale, -FP4_MAX, FP4_MAX))
-    return (q * scale).reshape(x.shape).astype(x.dtype)
+    return Fp4Weight.from_float(x).dequantized(x.dtype)
 
 
 def nvfp4_block16(x: jnp.ndarray) -> jnp.ndarray:

@@ -75,6 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
+from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, F16_SHIFT, Fp4Weight, e2m1_f16
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ class QuantizedWeight(NamedTuple):
 
 def _one_expert(w):
     """A single expert's weight as a stack of one."""
-    return QuantizedWeight(w.q[None], w.scale[None]) if isinstance(w, QuantizedWeight) else w[None]
+    if isinstance(w, (QuantizedWeight, Fp4Weight)):
+        return type(w)(*(a[None] for a in w))
+    return w[None]
 
 
 # Warp specialised, each compute warpgroup stores a bf16 output tile in [rows, 64] pieces
@@ -204,6 +207,21 @@ def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
     return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
 
 
+def _fp4_scales(w: Fp4Weight, bn: int):
+    """The per-step operand and the epilogue factor of an MXFP4 stack with ``bn``-row tiles:
+    each 32-block's scale relative to its tile's largest, times 2^F16_SHIFT (undoing
+    ``e2m1_f16``'s), in f16 and transposed to ``[E, K / 32, N]`` (a step's slice is one TMA
+    tile); and that largest, ``[E, N / bn]`` fp32. Exact while a block's scale is at most 2^23
+    below its tile's largest; blocks further below round in f16's subnormals or flush to zero.
+    """
+    e = w.scale.astype(jnp.int32)
+    n_e, n, kb = e.shape
+    top = e.reshape(n_e, n // bn, bn * kb).max(-1)
+    rel = e - jnp.repeat(top, bn, axis=1)[..., None] + F16_SHIFT
+    rel = jnp.where(rel >= -24, jnp.ldexp(jnp.float32(1), jnp.maximum(rel, -24)), 0.0).astype(jnp.float16)
+    return jnp.swapaxes(rel, 1, 2), jnp.ldexp(jnp.float32(1), top - 127)
+
+
 def _num_sms() -> int:
     """CTAs of a persistent grid: one per SM (off the GPU, where kernels are only interpreted or
     lowered, a few, so that each loops over several tiles)."""
@@ -226,9 +244,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise ValueError(f"block_expert must have shape ({m // rows},), got {block_expert.shape}")
     if row_scale is not None and row_scale.shape != (m,):
         raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
-    quantized = any(isinstance(w, QuantizedWeight) for st in stacks for w in st)
+    weights = [w for st in stacks for w in st]
+    fp4 = any(isinstance(w, Fp4Weight) for w in weights)
+    if fp4 and (not all(isinstance(w, Fp4Weight) for w in weights) or not cfg.swap_ab or cfg.compute_wgs > 1
+                or bk % (2 * FP4_BLOCK)):
+        raise NotImplementedError("MXFP4 weights: in every stack, swapped tiles (swap_ab), one compute "
+                                  "warpgroup, block_k a multiple of 64")
+    quantized = fp4 or any(isinstance(w, QuantizedWeight) for w in weights)
     ws = cfg.compute_wgs > 1
-    if quantized and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
+    if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
@@ -238,7 +262,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     # pair and one multiply by its block scale relative to the tile's largest (exact for
     # power-of-two scales); the activations are f16 (exact for bf16 values within f16's
     # range); the tile's largest scale multiplies the fp32 accumulator in the epilogue.
-    f16 = quantized and all(isinstance(w, QuantizedWeight) for st in stacks for w in st)
+    # MXFP4 weights (every stack) run the same way, with a scale per 32 (``fp4_pieces``).
+    f16 = quantized and all(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in weights)
     if f16:
         lhs = lhs.astype(jnp.float16)
     tile_dtype = jnp.float16 if f16 else jnp.bfloat16   # of the converted fp8 weight tiles
@@ -260,10 +285,15 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     acc_shapes = [plgpu.ACC((bc, rows) if swap else (bm, bc))] * n_ops
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
     # kernel operands per stack: each weight, then the tile scales of its fp8 weights (f16:
-    # relative to each tile's largest, and then those largest ones)
+    # relative to each tile's largest, and then those largest ones), or of its MXFP4 weights
+    # the relative 32-block scales (a pipelined operand) and then the tiles' largest
     flat = []
     for st in stacks:
-        flat += [w.q if isinstance(w, QuantizedWeight) else w for w in st]
+        flat += [w.codes if fp4 else w.q if isinstance(w, QuantizedWeight) else w for w in st]
+        if fp4:
+            rel, largest = zip(*(_fp4_scales(w, bn) for w in st))
+            flat += [*rel, *largest]
+            continue
         tile_scales = [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
         largest = [t.max(axis=-1) for t in tile_scales] if f16 else []
         flat += [t / big[..., None] for t, big in zip(tile_scales, largest)] if f16 else tile_scales
@@ -273,7 +303,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         """Per stack: (first expert id, experts, weights, scale rows, largest scales)."""
         out = []
         for lo, st in zip(first, stacks):
-            n_q = sum(isinstance(w, QuantizedWeight) for w in st)
+            n_q = sum(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in st)
             n_big = n_q if f16 else 0
             out.append((lo, st[0].shape[0], w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q],
                         w_gmem[n_ops + n_q:n_ops + n_q + n_big]))
@@ -333,12 +363,35 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             plgpu.commit_smem()
         return tiles
 
+    def fp4_mma(accs, x_smem, w_tiles, s_tiles, wb_smem):
+        """MXFP4 steps (swapped): each weight tile's codes become f16 by bit moves
+        (``e2m1_f16``), each 32-wide slice times its rows' relative scales, and a wgmma per
+        slice takes it from registers with the rows' matching 32 columns; interpreted, the
+        slices fill ``wb_smem`` and one wgmma reads it."""
+        for j, (acc, wt, st) in enumerate(zip(accs, w_tiles, s_tiles)):
+            codes = (plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
+                     if a_in_registers else wt[...])
+            vals = e2m1_f16(codes)
+            for c in range(bk // FP4_BLOCK):
+                cols = pl.ds(c * FP4_BLOCK, FP4_BLOCK)
+                sc = plgpu.load(st.at[c], (), layout=plgpu.Layout.WGMMA.reduce(1)) if a_in_registers else st[c]
+                piece = vals[:, c * FP4_BLOCK:(c + 1) * FP4_BLOCK] * jax.lax.broadcast_in_dim(
+                    sc, (bn, FP4_BLOCK), [0])
+                if a_in_registers:
+                    plgpu.wgmma(acc, piece, transposed(x_smem.at[:, cols]))
+                else:
+                    wb_smem[j, :, cols] = piece
+            if not a_in_registers:
+                plgpu.commit_smem()
+                plgpu.wgmma(acc, wb_smem.at[j], x_smem)
+
     def in_specs(mi, ni, delay_release):
         w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
                                  delay_release=delay_release)
         x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s, mi), delay_release=delay_release)
                   if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release))
-        return [x_spec] + [w_spec] * n_ops
+        fp4_specs = [plgpu.BlockSpec((bk // FP4_BLOCK, bn), lambda s: (s, ni), delay_release=delay_release)]
+        return [x_spec] + [w_spec] * n_ops + fp4_specs * n_ops * fp4
 
     def mma(accs, x_smem, w_smem):
         for acc, w in zip(accs, w_smem):
@@ -392,6 +445,18 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         expert = block_expert_gmem[mi]
 
         def run(accs, w, scales):
+            if fp4:
+                def fp4_pipeline(wb_smem=None):
+                    def step(_, x, *tiles):
+                        plgpu.wgmma_wait(0)  # the last step's wgmmas have read their operands
+                        fp4_mma(accs, x, tiles[:n_ops], tiles[n_ops:], wb_smem)
+                    plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
+                                        max_concurrent_steps=cfg.stages)(lhs_gmem, *w, *scales)
+                if a_in_registers:
+                    fp4_pipeline()
+                else:
+                    pl.run_scoped(fp4_pipeline, plgpu.SMEM((n_ops, *tile), jnp.float16))
+                return
             if not scales:
                 def step(_, x, *w_smem):
                     mma(accs, x, w_smem)
@@ -553,7 +618,7 @@ def grouped_matmul(h, w2, block_expert, *, shared=None, cfg: GemmConfig = GemmCo
 
 
 def _per_row_weights(w, block_expert, rows, shared):
-    w, shared = (v.dequantized() if isinstance(v, QuantizedWeight) else v for v in (w, shared))
+    w, shared = (v.dequantized() if isinstance(v, (QuantizedWeight, Fp4Weight)) else v for v in (w, shared))
     if shared is not None:
         w = jnp.concatenate([w, shared[None]])
     return w[jnp.maximum(jnp.repeat(block_expert, rows), 0)]

@@ -15,6 +15,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 import mega.moe as moe_module
 from mega.moe import MoeSpec, aligned_layout, moe
+from pallas_kernels.fp4 import Fp4Weight
 from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul,
                                          grouped_matmul_reference, grouped_swiglu,
                                          grouped_swiglu_reference)
@@ -90,18 +91,27 @@ def test_grouped_tile_order_visits_every_tile_once(m_blocks, n_blocks, group_m):
         assert tiles[:min(group_m, m_blocks)] == [(r, 0) for r in range(min(group_m, m_blocks))]
 
 
-def quantized(key, shape):
+def fp8(key, shape):
     return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(64, 64, 64, 2), GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n"),
-                                 GemmConfig(24, 128, 64, 2, swap_ab=True), GemmConfig(16, 64, 128, 2, swap_ab=True),
-                                 GemmConfig(24, 128, 64, 2, compute_wgs=2, split="n", swap_ab=True)],
-                         ids=["one-warpgroup", "warp-specialised-split-n", "swap-ab", "swap-ab-128-deep",
-                              "warp-specialised-swap-ab"])
-def test_fp8_block_scaled_weights_match_reference(cfg, rng):
-    """fp8 routed and shared experts, dequantised in the kernel (by one warpgroup, or by two,
-    each its half of the tile's columns)."""
+def mxfp4(key, shape):
+    """Random weights whose 32-blocks span scales 2^-6 to 2^0 (each block's scale matters)."""
+    spread = 2.0 ** jax.random.randint(jax.random.fold_in(key, 1), (*shape[:-1], shape[-1] // 32, 1), -6, 1)
+    w = jax.random.normal(key, shape).reshape(spread.shape[:-1] + (32,)) * spread
+    return Fp4Weight.from_float(w.reshape(shape) * shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("quantized,cfg", [
+    (fp8, GemmConfig(64, 64, 64, 2)), (fp8, GemmConfig(64, 128, 64, 2, compute_wgs=2, split="n")),
+    (fp8, GemmConfig(24, 128, 64, 2, swap_ab=True)), (fp8, GemmConfig(16, 64, 128, 2, swap_ab=True)),
+    (fp8, GemmConfig(24, 128, 64, 2, compute_wgs=2, split="n", swap_ab=True)),
+    (mxfp4, GemmConfig(16, 64, 64, 2, swap_ab=True)), (mxfp4, GemmConfig(24, 128, 128, 3, swap_ab=True))],
+    ids=["fp8-one-warpgroup", "fp8-warp-specialised-split-n", "fp8-swap-ab", "fp8-swap-ab-128-deep",
+         "fp8-warp-specialised-swap-ab", "mxfp4-swap-ab", "mxfp4-swap-ab-128-deep"])
+def test_block_scaled_weights_match_reference(quantized, cfg, rng):
+    """fp8 (128 x 128 blocks) or MXFP4 (32-blocks) routed and shared experts, dequantised in
+    the kernel (fp8: by one warpgroup, or by two, each its half of the tile's columns)."""
     e, d, inter, limit = 2, 128, 256, 3.0
     sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
     n = int(sizes.sum())
@@ -202,6 +212,27 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
             return sds(shape, jnp.bfloat16)
         return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
                                sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
+    be = sds((m // up.rows,), jnp.int32)
+    jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
+        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
+    ).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
+        sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("up,down", [
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True)),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
+])
+def test_mxfp4_kernels_lower_for_cuda_at_v41_shapes(up, down):
+    """The MXFP4 path's register layouts (4-bit loads, the per-32 scale rows, a wgmma per
+    32-wide slice) at V4.1-Flash expert shapes, without a GPU."""
+    e, d, inter, m = 6, 5120, 2304, up.rows * 8
+    sds = jax.ShapeDtypeStruct
+
+    def weight(shape):
+        return Fp4Weight(sds(shape, jnp.int4), sds((*shape[:-1], shape[-1] // 32), jnp.uint8))
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
         sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)

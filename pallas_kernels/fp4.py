@@ -1,0 +1,102 @@
+"""MXFP4 (OCP microscaling FP4): e2m1 values with one power-of-two (UE8M0) scale per 32.
+
+V4.1's routed experts ship in this format (MODEL_SPEC §2). Hopper's tensor cores take no FP4,
+so ``grouped_gemm`` converts the values in registers (``e2m1_f16``) and multiplies each
+32-wide slice by its scale before the wgmma.
+
+An e2m1 code is 4 bits: sign, then a 2-bit exponent E and a 1-bit mantissa m; its magnitude
+is ``2^(E-1) (1 + m/2)`` for E > 0 and ``m/2`` for E = 0, i.e. ``E2M1`` below. Codes are kept
+as ``jnp.int4`` whose bits are the code (HF checkpoints pack two per byte, low nibble first,
+which ``jax.lax.bitcast_convert_type(packed, jnp.int4)`` unpacks in that order).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+FP4_MAX = 6.0
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+# thresholds between neighbouring magnitudes; a tie goes to the even code (mantissa bit 0),
+# so it rounds up (>=) where the upper code is even
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (False, True, False, True, False, True, False)
+# ``e2m1_f16`` moves E and m to f16's lowest exponent bits and its top mantissa bit, which gives
+# the e2m1 value times 2^-14 (E = 0 lands on f16's subnormal 2^-14 * m/2, with the same factor)
+F16_SHIFT = 14
+
+def pow2_ceil_exponent(t: jnp.ndarray) -> jnp.ndarray:
+    """``ceil(log2 t)`` (int32, clipped to [-126, 127]) for positive float32 ``t``, from its IEEE
+    bits: exact where ``log2`` may not be."""
+    bits = jax.lax.bitcast_convert_type(t.astype(jnp.float32), jnp.int32)
+    return jnp.clip(((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32), -126, 127)
+
+
+def pow2_ceil(t: jnp.ndarray) -> jnp.ndarray:
+    """``2**ceil(log2 t)`` for positive float32 ``t`` (a UE8M0 scale), built from its exponent
+    bits: exp2 is not exact on every backend."""
+    return jax.lax.bitcast_convert_type((pow2_ceil_exponent(t) + 127) << 23, jnp.float32)
+
+
+def e2m1_code(x: jnp.ndarray) -> jnp.ndarray:
+    """int32 codes (sign << 3 | magnitude index) of float32 values already clamped to ±6,
+    rounded to nearest, ties to even."""
+    mag = jnp.abs(x)
+    code = jnp.zeros(x.shape, jnp.int32)
+    for bound, up in zip(_BOUNDS, _TIE_UP):
+        code += (mag >= bound if up else mag > bound).astype(jnp.int32)
+    return code | (jnp.signbit(x).astype(jnp.int32) << 3)
+
+
+def e2m1_value(code: jnp.ndarray) -> jnp.ndarray:
+    """float32 values of int codes."""
+    code = code.astype(jnp.int32)
+    value = jnp.asarray(E2M1)[code & 7]
+    return jnp.where(code & 8 != 0, -value, value)
+
+
+def e2m1_f16(code: jnp.ndarray) -> jnp.ndarray:
+    """f16 values ``e2m1 * 2^-F16_SHIFT`` of int4 codes, by bit moves only (Hopper has no e2m1
+    conversion): exact, zero and the subnormal 0.5 included."""
+    v = code.astype(jnp.int16)   # sign-extended: bit 3 is the sign, bits 0-2 the magnitude
+    return jax.lax.bitcast_convert_type(((v & 8) << 12) | ((v & 7) << 9), jnp.float16)
+
+
+class Fp4Weight(NamedTuple):
+    """An MXFP4 weight stack: ``codes [E, N, K]`` int4 and ``scale [E, N, K / 32]`` uint8
+    UE8M0 exponents: ``w[e, n, k] = e2m1(codes[e, n, k]) * 2^(scale[e, n, k // 32] - 127)``."""
+    codes: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.codes.shape
+
+    @classmethod
+    def from_float(cls, w: jax.Array) -> "Fp4Weight":
+        """Quantise ``[..., K]`` (K % 32 == 0): per 32 values the scale is the power of two at
+        or above amax / 6 (MODEL_SPEC §3.5's FP4 block-32 rule), values round to e2m1."""
+        *lead, k = w.shape
+        if k % BLOCK:
+            raise ValueError(f"MXFP4 needs the last dimension divisible by {BLOCK}, got {w.shape}")
+        b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK)
+        amax = jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -126) * (1.0 / FP4_MAX)
+        codes = e2m1_code(jnp.clip(b / pow2_ceil(amax)[..., None], -FP4_MAX, FP4_MAX)).reshape(w.shape)
+        return cls(codes.astype(jnp.int4), (pow2_ceil_exponent(amax) + 127).astype(jnp.uint8))
+
+    @classmethod
+    def from_packed(cls, packed: jax.Array, scale: jax.Array) -> "Fp4Weight":
+        """From a checkpoint's bytes: ``packed [..., K / 2]`` uint8 (two codes per byte, low
+        nibble first) and ``scale [..., K / 32]`` uint8 UE8M0."""
+        codes = jax.lax.bitcast_convert_type(jnp.asarray(packed, jnp.uint8), jnp.int4)
+        codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+        if scale.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
+            raise ValueError(f"MXFP4 scales {scale.shape} do not match codes {codes.shape} (one per {BLOCK})")
+        return cls(codes, jnp.asarray(scale, jnp.uint8))
+
+    def dequantized(self, dtype=jnp.float32):
+        s = jax.lax.bitcast_convert_type(self.scale.astype(jnp.int32) << 23, jnp.float32)   # 2^(e - 127)
+        return (e2m1_value(self.codes) * jnp.repeat(s, BLOCK, axis=-1)).astype(dtype)
