@@ -6,9 +6,10 @@ holds the router (``gate [E, D]``, ``bias``, ``bias_vl``), the routed experts st
 expert. The reference path sorts the (token, expert) pairs by expert and runs the grouped
 GEMMs with ``lax.ragged_dot``, which is the dispatch shape the Pallas kernel keeps.
 
-Expert weights (routed and shared) are bf16 arrays or fp8 ``QuantizedWeight`` stacks (e4m3
-with one power-of-two scale per 128 x 128 block; ``quantize_experts`` makes them): the Pallas
-kernels convert the fp8 tiles in registers, the reference dequantises them first.
+Expert weights (routed and shared) are bf16 arrays, fp8 ``QuantizedWeight`` stacks (e4m3
+with one power-of-two scale per 128 x 128 block) or MXFP4 ``Fp4Weight`` stacks (e2m1 with one
+UE8M0 scale per 32: V4.1's expert format); ``quantize_experts`` makes either. The Pallas
+kernels convert the tiles in registers, the reference dequantises them first.
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
@@ -30,9 +31,13 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import HIGHEST, linear
+from pallas_kernels.fp4 import Fp4Weight
 from pallas_kernels.grouped_gemm import GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+# block-scaled expert formats: their weight type, and the block sizes their dimensions need
+# (fp8: 128 x 128 blocks on both; MXFP4: 32 along the input, the kernels' 64-row tiles)
+FORMATS = {"fp8": (QuantizedWeight, 128, 128), "mxfp4": (Fp4Weight, 64, 64)}
 
 
 @dataclass(frozen=True)
@@ -68,18 +73,31 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
 
 
 def _dense(w, dtype) -> jnp.ndarray:
-    """An expert weight as an array (fp8 stacks dequantised) for the XLA paths."""
-    return w.dequantized(dtype) if isinstance(w, QuantizedWeight) else w
+    """An expert weight as an array (quantised stacks dequantised) for the XLA paths."""
+    return w.dequantized(dtype) if isinstance(w, (QuantizedWeight, Fp4Weight)) else w
 
 
-def quantize_experts(p: dict) -> dict:
-    """An MoE parameter dict with its routed and shared expert weights as fp8 ``QuantizedWeight``
-    (e4m3, one power-of-two scale per 128 x 128 block); ValueError if a dimension is not a
-    multiple of 128."""
+def _format(ws) -> str | None:
+    """The kernels' format for expert weights ``ws``: "mxfp4" (all MXFP4: its kernels take no
+    other kind beside it), "fp8" (any fp8, the rest bf16), "bf16", or None (MXFP4 mixed with
+    other kinds: only the reference runs that)."""
+    if any(isinstance(w, Fp4Weight) for w in ws):
+        return "mxfp4" if all(isinstance(w, Fp4Weight) for w in ws) else None
+    return "fp8" if any(isinstance(w, QuantizedWeight) for w in ws) else "bf16"
+
+
+def quantize_experts(p: dict, fmt: str = "fp8") -> dict:
+    """An MoE parameter dict with its routed and shared expert weights quantised: ``fmt`` "fp8"
+    (``QuantizedWeight``: e4m3, one power-of-two scale per 128 x 128 block) or "mxfp4"
+    (``Fp4Weight``: e2m1, one power-of-two scale per 32); ValueError if a dimension does not
+    divide into the format's blocks."""
+    kind, rows, cols = FORMATS[fmt]
+
     def quantized(w):
-        if w.shape[-1] % 128 or w.shape[-2] % 128:
-            raise ValueError(f"fp8 expert weights need dimensions divisible by 128, got {tuple(w.shape)}")
-        return QuantizedWeight.from_float(w)
+        if w.shape[-2] % rows or w.shape[-1] % cols:
+            raise ValueError(f"{fmt} expert weights need dimensions divisible by {rows} x {cols}, "
+                             f"got {tuple(w.shape)}")
+        return kind.from_float(w)
     out = {**p, **{k: quantized(p[k]) for k in EXPERT_WEIGHTS}}
     if "shared" in p:
         out["shared"] = {k: quantized(p["shared"][k]) for k in EXPERT_WEIGHTS}
@@ -113,7 +131,7 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
 
 
-def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int, fp8: bool):
+def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int, fmt: str):
     """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
 
     From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): below 128 rows per expert the
@@ -124,15 +142,21 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     the grouped tile order (bands of 8 row blocks: 3-11% faster than the same tiles ungrouped
     at 1024 and 4096 rows per expert, 3-7% at 256, balanced and skewed).
 
-    fp8 weights: swapped tiles of 64 weight rows at every size (the converted weight tile is the
-    wgmma's register operand). Up to 64 rows per expert their steps are 128 deep, and 16-row
-    tiles with two CTAs per SM win at 16 rows per expert; above that, 128-row blocks 64 deep
-    (each weight tile converted half as often as with 64-row blocks: 19% faster at 256 rows,
-    the largest size timed).
+    fp8 and MXFP4 weights: swapped tiles of 64 weight rows at every size (the converted weight
+    tile is the wgmma's register operand). fp8: up to 64 rows per expert the steps are 128 deep
+    (16-row tiles at 16 rows per expert; with two CTAs per SM these swung 3-5x between calls);
+    above that, 128-row blocks 64 deep (each weight tile converted half as often as with 64-row
+    blocks: 19% faster at 256 rows, the largest size timed). MXFP4 (a first kernel, bound by
+    its conversion): the best of each size in one call, 256-deep steps at 16 rows per expert.
     """
-    if fp8:
+    if fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
+        rows, deep = (16, 256) if n_rows <= 16 * n_experts else (64, 128) if n_rows <= 64 * n_experts else (128, 64)
+        def step(kk):
+            return next((b for b in (256, 128, 64) if b <= deep and kk % b == 0), 64)
+        cfgs = GemmConfig(rows, 64, step(d), 4, swap_ab=True), GemmConfig(rows, 128, step(inter), 3, swap_ab=True)
+    elif fmt == "fp8":
         if n_rows <= 16 * n_experts:
-            cfgs = GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)
+            cfgs = GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)
         elif n_rows <= 64 * n_experts:
             cfgs = GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
         else:
@@ -197,17 +221,18 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]
-    stacks = [p] + ([p["shared"]] if "shared" in p else [])
-    fp8 = any(isinstance(s[k], QuantizedWeight) for s in stacks for k in EXPERT_WEIGHTS)
+    routed = [p[k] for k in EXPERT_WEIGHTS]
+    fmt = _format(routed)
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
-    cfgs = _kernel_configs(x, n, n_experts, d, inter, fp8)
+    cfgs = None if fmt is None else _kernel_configs(x, n, n_experts, d, inter, fmt)
     shared = p.get("shared")
     fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
-                   and shared["w2"].shape == (d, inter))
+                   and shared["w2"].shape == (d, inter)
+                   and _format(routed + [shared[k] for k in EXPERT_WEIGHTS]) == fmt)
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)

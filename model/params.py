@@ -132,11 +132,12 @@ def abstract_params(cfg: ModelConfig, param_dtype: Any = jnp.float32) -> dict:
     return build_tree(cfg, {s.path: jax.ShapeDtypeStruct(s.shape, s.dtype(param_dtype)) for s in param_specs(cfg)})
 
 
-def with_fp8_experts(params: dict) -> dict:
-    """``params`` with every MoE block's routed and shared expert weights in fp8
-    (``mega.moe.quantize_experts``: e4m3, one power-of-two scale per 128 x 128 block)."""
+def with_quantized_experts(params: dict, fmt: str) -> dict:
+    """``params`` with every MoE block's routed and shared expert weights quantised
+    (``mega.moe.quantize_experts``): ``fmt`` "fp8" (e4m3, one power-of-two scale per 128 x 128
+    block) or "mxfp4" (e2m1, one power-of-two scale per 32)."""
     def walk(node):
         if isinstance(node, dict):
-            return {k: quantize_experts(v) if k == "moe" else walk(v) for k, v in node.items()}
+            return {k: quantize_experts(v, fmt) if k == "moe" else walk(v) for k, v in node.items()}
         return [walk(v) for v in node] if isinstance(node, list) else node
     return walk(params)

@@ -43,6 +43,14 @@ SM take 16 rows per expert to 1.6x the fp8 roofline. Converting the next tile be
 for the last wgmma gave wrong results there: the compiler reuses the in-flight wgmma's
 registers.
 
+MXFP4 weights (``pallas_kernels.fp4.Fp4Weight``: e2m1 codes as int4, a UE8M0 scale per 32;
+V4.1's expert format) run swapped, one compute warpgroup, in f16: each step's code tile is
+loaded in the 4-bit WGMMA layout and turned into f16 by bit moves (``e2m1_f16``), and each
+32-wide slice, times its rows' scales relative to the tile's largest (a pipelined f16
+operand), goes to its own wgmma from registers. On the H200 that conversion, per 16-bit
+element, bounds it: 7x the MXFP4 roofline at 16 rows per expert, slower than fp8
+(bench/RESULTS.md); converting whole 32-bit words is the next step.
+
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
 L2-resident expert, and six experts' weights streaming from HBM cost another 5-10%. A fused

@@ -30,7 +30,7 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.engram_hash import DEAD
 from model.forward import halo_rows
-from model.params import with_fp8_experts
+from model.params import with_quantized_experts
 from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
@@ -53,13 +53,13 @@ class EngineConfig:
     prefix_cache: bool = True
     top_logprobs: int = 20
     kv_cache_dtype: str = "auto"  # "fp8_e4m3": the window KV ring in its stored FP8 form
-    quantization: str = "none"  # "fp8": expert weights to e4m3 with 128 x 128 block scales at load
+    quantization: str = "none"  # "fp8" / "mxfp4": expert weights quantised at load (mega.moe.FORMATS)
 
     def __post_init__(self):
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
-        if self.quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization must be none or fp8, not {self.quantization!r}")
+        if self.quantization not in ("none", "fp8", "mxfp4"):
+            raise ValueError(f"quantization must be none, fp8 or mxfp4, not {self.quantization!r}")
         if self.decoder_replay not in ("approx", "exact", "off"):
             raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
         if self.page_size <= 0 or self.page_size % 2:
@@ -95,8 +95,8 @@ class Engine:
         self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.prefill_budget, keep)
-        if config.quantization == "fp8":
-            params = with_fp8_experts(params)
+        if config.quantization != "none":
+            params = with_quantized_experts(params, config.quantization)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
                                   window_fp8=config.kv_cache_dtype == "fp8_e4m3")

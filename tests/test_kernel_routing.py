@@ -2,8 +2,8 @@
 
 Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
 decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
-MegaAttention kernel accepts, and the MoE calls the grouped kernels (with fp8 expert weights
-under ``quantization="fp8"``). The kernels' numerics
+MegaAttention kernel accepts, and the MoE calls the grouped kernels (with fp8 or MXFP4 expert
+weights under ``quantization="fp8"`` or ``"mxfp4"``). The kernels' numerics
 are tested against their references in ``test_pallas_*``; here each kernel is stood in for by
 its reference behind a recorder (interpreted, the attention kernel takes minutes per step at
 64 heads, and engine steps full of interpreter callbacks are better kept out of the suite's
@@ -18,6 +18,7 @@ import pytest
 import mega.attention
 import mega.moe
 from checkpoints.init import init_params
+from pallas_kernels.fp4 import Fp4Weight
 from pallas_kernels.grouped_gemm import QuantizedWeight, grouped_matmul_reference, grouped_swiglu_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
@@ -35,7 +36,8 @@ def kernel_sized():
     return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e4m3", "none"), ("auto", "fp8")])
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e4m3", "none"), ("auto", "fp8"),
+                                                         ("auto", "mxfp4")])
 def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantization, monkeypatch):
     cfg, params = kernel_sized
     seen = {"attention": [], "moe": 0, "expert_weights": set()}
@@ -46,7 +48,8 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
 
     def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None):
         seen["moe"] += 1
-        seen["expert_weights"] |= {isinstance(w, QuantizedWeight) for w in (w1, w3, *(shared or ()))}
+        seen["expert_weights"] |= {"fp8" if isinstance(w, QuantizedWeight) else "mxfp4" if isinstance(w, Fp4Weight)
+                                   else "none" for w in (w1, w3, *(shared or ()))}
         return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
                                         row_scale=row_scale)
 
@@ -65,8 +68,8 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
-    # --quantization fp8: every routed and shared expert stack reaches the kernels as fp8
-    assert seen["expert_weights"] == {quantization == "fp8"}
+    # --quantization fp8 / mxfp4: every routed and shared expert stack reaches the kernels so
+    assert seen["expert_weights"] == {quantization}
     for dtypes, fits in seen["attention"]:
         assert fits and dtypes[0] == window and all(d == jnp.bfloat16 for d in dtypes[1:])
     assert any(len(dtypes) == 2 for dtypes, _ in seen["attention"])   # the KV source's compressed pool

@@ -12,6 +12,7 @@ from mega.engram import engram
 from mega.mhc import Update, mhc_step
 import mega.moe
 from mega.moe import EXPERT_WEIGHTS, MoeSpec, QuantizedWeight, moe, quantize_experts
+from pallas_kernels.fp4 import Fp4Weight
 
 
 def rope_np(x, cos, sin, inverse=False):
@@ -98,16 +99,17 @@ def test_moe_matches_numpy(skew):
     np.testing.assert_allclose(got, _moe_np(x, p, k, 1.5, limit), rtol=1e-4, atol=1e-4)
 
 
-def test_moe_with_fp8_experts(monkeypatch):
-    """fp8 expert stacks (``quantize_experts``): the reference path computes with their
-    dequantised values, and the interpreted Pallas kernels (swapped fp8 tiles, the shared
-    expert fused in) agree with it."""
+@pytest.mark.parametrize("fmt,kind", [("fp8", QuantizedWeight), ("mxfp4", Fp4Weight)])
+def test_moe_with_quantized_experts(fmt, kind, monkeypatch):
+    """fp8 or MXFP4 expert stacks (``quantize_experts``): the reference path computes with their
+    dequantised values, and the interpreted Pallas kernels (swapped tiles converted in the
+    kernel, the shared expert fused in) agree with it."""
     rng = np.random.default_rng(11)
     t, d, inter, e, k, limit = 20, 128, 128, 4, 2, 2.0
     x = rng.normal(size=(t, d)).astype(np.float32)
     p = _moe_params(rng, d, inter, e)
-    q = quantize_experts(jax.tree.map(jnp.asarray, p))
-    assert all(isinstance(w, QuantizedWeight) for w in [q[n] for n in EXPERT_WEIGHTS] + list(q["shared"].values()))
+    q = quantize_experts(jax.tree.map(jnp.asarray, p), fmt)
+    assert all(isinstance(w, kind) for w in [q[n] for n in EXPERT_WEIGHTS] + list(q["shared"].values()))
     deq = {**p, **{n: np.asarray(q[n].dequantized()) for n in EXPERT_WEIGHTS},
            "shared": {n: np.asarray(w.dequantized()) for n, w in q["shared"].items()}}
     spec = MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=limit)
@@ -116,15 +118,16 @@ def test_moe_with_fp8_experts(monkeypatch):
     xb = jnp.asarray(x, jnp.bfloat16)
     ref = np.asarray(moe(xb, q, spec), np.float32)
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
-    assert mega.moe._kernel_configs(xb, t * k, e, d, inter, fp8=True) is not None   # the kernels do run
+    assert mega.moe._kernel_configs(xb, t * k, e, d, inter, fmt) is not None   # the kernels do run
     got = np.asarray(moe(xb, q, spec), np.float32)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_fp8_experts_need_128_blocks():
+@pytest.mark.parametrize("fmt,block", [("fp8", "128 x 128"), ("mxfp4", "64 x 64")])
+def test_quantized_experts_need_whole_blocks(fmt, block):
     p = _moe_params(np.random.default_rng(0), 32, 16, 2)
-    with pytest.raises(ValueError, match="divisible by 128"):
-        quantize_experts(jax.tree.map(jnp.asarray, p))
+    with pytest.raises(ValueError, match=f"divisible by {block}"):
+        quantize_experts(jax.tree.map(jnp.asarray, p), fmt)
 
 
 def _mix_np(h, fn, base, scale, eps, hc_eps, iters):
