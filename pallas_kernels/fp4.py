@@ -1,13 +1,23 @@
 """MXFP4 (OCP microscaling FP4): e2m1 values with one power-of-two (UE8M0) scale per 32.
 
 V4.1's routed experts ship in this format (MODEL_SPEC §2). Hopper's tensor cores take no FP4,
-so ``grouped_gemm`` converts the values in registers (``e2m1_f16``) and multiplies each
-32-wide slice by its scale before the wgmma.
+so ``grouped_gemm`` converts the values in registers and multiplies each 32-wide slice by its
+scale before the wgmma.
 
 An e2m1 code is 4 bits: sign, then a 2-bit exponent E and a 1-bit mantissa m; its magnitude
 is ``2^(E-1) (1 + m/2)`` for E > 0 and ``m/2`` for E = 0, i.e. ``E2M1`` below. Codes are kept
 as ``jnp.int4`` whose bits are the code (HF checkpoints pack two per byte, low nibble first,
 which ``jax.lax.bitcast_convert_type(packed, jnp.int4)`` unpacks in that order).
+
+The conversion is a few bit moves (``e2m1_f16``: sign to bit 15, the magnitude bits to f16's
+lowest exponent bits and top mantissa bit, which is the e2m1 value times 2^-14, exact). Done
+per 16-bit element it costs about 8 instructions a weight, which bound the first kernel
+(bench/RESULTS.md). So ``Fp4Weight`` stores each 32-block's codes in the kernel's order: a
+thread's 4-bit WGMMA-layout load (8 codes, one 32-bit word) then holds exactly the 8 values its
+f16 WGMMA-layout registers need, with the two halves of each f16 pair 16 bits apart, and
+``e2m1_f16_words`` makes a pair from a word with two shifts, a mask and a ``lop3``-able
+and-or. In a block, the code of column ``8 i + 2 t + b`` (f16 register ``i`` of lane ``t`` of
+a row, half ``b`` of it) sits at ``8 t + 4 b + i``.
 """
 from __future__ import annotations
 
@@ -65,9 +75,46 @@ def e2m1_f16(code: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(((v & 8) << 12) | ((v & 7) << 9), jnp.float16)
 
 
+def to_kernel_order(codes: jnp.ndarray) -> jnp.ndarray:
+    """Codes ``[..., K]`` in column order → the kernel's order within each 32-block."""
+    *lead, k = codes.shape
+    blocks = codes.reshape(*lead, k // BLOCK, 4, 4, 2)   # column 8 i + 2 t + b: (i, t, b)
+    return jnp.moveaxis(blocks, -3, -1).reshape(codes.shape)   # → (t, b, i): 8 t + 4 b + i
+
+
+def from_kernel_order(codes: jnp.ndarray) -> jnp.ndarray:
+    """The inverse of ``to_kernel_order``."""
+    *lead, k = codes.shape
+    blocks = codes.reshape(*lead, k // BLOCK, 4, 2, 4)   # (t, b, i)
+    return jnp.moveaxis(blocks, -1, -3).reshape(codes.shape)
+
+
+def e2m1_f16_words(words: np.ndarray):
+    """Mosaic GPU code: 32-bit words of 8 codes in the kernel's order → the f16 pairs (as
+    ``vector<2xf16>``), four per word: pair ``i`` from nibbles ``i`` (low half) and ``4 + i``."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    i32 = ir.IntegerType.get_signless(32)
+    f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+    c = lambda v: arith.constant(i32, v)  # noqa: E731
+
+    def shifted(w, by):
+        return arith.shli(w, c(by)) if by >= 0 else arith.shrui(w, c(-by))
+
+    def pairs(word):
+        w = mgpu_utils.bitcast(word, i32)
+        return [mgpu_utils.bitcast(arith.ori(arith.andi(shifted(w, 12 - 4 * i), c(0x80008000 - (1 << 32))),
+                                             arith.andi(shifted(w, 9 - 4 * i), c(0x0E000E00))), f16x2)
+                for i in range(4)]
+    return [pairs(w) for w in words]
+
+
 class Fp4Weight(NamedTuple):
-    """An MXFP4 weight stack: ``codes [E, N, K]`` int4 and ``scale [E, N, K / 32]`` uint8
-    UE8M0 exponents: ``w[e, n, k] = e2m1(codes[e, n, k]) * 2^(scale[e, n, k // 32] - 127)``."""
+    """An MXFP4 weight stack: ``codes [E, N, K]`` int4, each 32-block in the kernel's order
+    (``to_kernel_order``), and ``scale [E, N, K / 32]`` uint8 UE8M0 exponents:
+    ``w[e, n, k] = e2m1(from_kernel_order(codes)[e, n, k]) * 2^(scale[e, n, k // 32] - 127)``."""
     codes: jax.Array
     scale: jax.Array
 
@@ -85,18 +132,18 @@ class Fp4Weight(NamedTuple):
         b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK)
         amax = jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -126) * (1.0 / FP4_MAX)
         codes = e2m1_code(jnp.clip(b / pow2_ceil(amax)[..., None], -FP4_MAX, FP4_MAX)).reshape(w.shape)
-        return cls(codes.astype(jnp.int4), (pow2_ceil_exponent(amax) + 127).astype(jnp.uint8))
+        return cls(to_kernel_order(codes.astype(jnp.int4)), (pow2_ceil_exponent(amax) + 127).astype(jnp.uint8))
 
     @classmethod
     def from_packed(cls, packed: jax.Array, scale: jax.Array) -> "Fp4Weight":
         """From a checkpoint's bytes: ``packed [..., K / 2]`` uint8 (two codes per byte, low
-        nibble first) and ``scale [..., K / 32]`` uint8 UE8M0."""
+        nibble first, in column order) and ``scale [..., K / 32]`` uint8 UE8M0."""
         codes = jax.lax.bitcast_convert_type(jnp.asarray(packed, jnp.uint8), jnp.int4)
         codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-        if scale.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
+        if codes.shape[-1] % BLOCK or scale.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
             raise ValueError(f"MXFP4 scales {scale.shape} do not match codes {codes.shape} (one per {BLOCK})")
-        return cls(codes, jnp.asarray(scale, jnp.uint8))
+        return cls(to_kernel_order(codes), jnp.asarray(scale, jnp.uint8))
 
     def dequantized(self, dtype=jnp.float32):
         s = jax.lax.bitcast_convert_type(self.scale.astype(jnp.int32) << 23, jnp.float32)   # 2^(e - 127)
-        return (e2m1_value(self.codes) * jnp.repeat(s, BLOCK, axis=-1)).astype(dtype)
+        return (e2m1_value(from_kernel_order(self.codes)) * jnp.repeat(s, BLOCK, axis=-1)).astype(dtype)

@@ -79,11 +79,13 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, F16_SHIFT, Fp4Weight, e2m1_f16
+from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, F16_SHIFT, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order
 
 
 @dataclass(frozen=True)
@@ -372,14 +374,17 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         return tiles
 
     def fp4_mma(accs, x_smem, w_tiles, s_tiles, wb_smem):
-        """MXFP4 steps (swapped): each weight tile's codes become f16 by bit moves
-        (``e2m1_f16``), each 32-wide slice times its rows' relative scales, and a wgmma per
-        slice takes it from registers with the rows' matching 32 columns; interpreted, the
-        slices fill ``wb_smem`` and one wgmma reads it."""
+        """MXFP4 steps (swapped): each weight tile's codes become f16 by bit moves on whole
+        32-bit words (``fp4.e2m1_f16_words``: the 4-bit WGMMA-layout load of codes in the
+        kernel's order gives each thread the values of its f16 WGMMA-layout registers), each
+        32-wide slice is multiplied by its rows' relative scales, and a wgmma per slice takes it
+        from registers with the rows' matching 32 columns; interpreted, the slices fill
+        ``wb_smem`` and one wgmma reads it."""
         for j, (acc, wt, st) in enumerate(zip(accs, w_tiles, s_tiles)):
-            codes = (plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
-                     if a_in_registers else wt[...])
-            vals = e2m1_f16(codes)
+            if a_in_registers:
+                vals = fp4_to_f16(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))
+            else:
+                vals = e2m1_f16(from_kernel_order(wt[...]))
             for c in range(bk // FP4_BLOCK):
                 cols = pl.ds(c * FP4_BLOCK, FP4_BLOCK)
                 sc = plgpu.load(st.at[c], (), layout=plgpu.Layout.WGMMA.reduce(1)) if a_in_registers else st[c]
@@ -392,6 +397,20 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             if not a_in_registers:
                 plgpu.commit_smem()
                 plgpu.wgmma(acc, wb_smem.at[j], x_smem)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(tile, jnp.float16, layout=plgpu.Layout.WGMMA))
+    def fp4_to_f16(ctx, codes):
+        """A [bn, bk] code tile (4-bit WGMMA layout: a 32-bit word per 8 codes) → f16 in the
+        WGMMA layout, whose register ``(m, 4 j + i, .., h, ..)`` is pair ``i`` of word
+        ``(m, j, .., h, ..)`` (8-column register tiles, 32-column words)."""
+        del ctx
+        words = codes.registers
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
+        for idx, pairs in zip(np.ndindex(words.shape), e2m1_f16_words(list(words.flat))):
+            for i, pair in enumerate(pairs):
+                out[(idx[0], 4 * idx[1] + i, *idx[2:])] = pair
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     def in_specs(mi, ni, delay_release):
         w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
