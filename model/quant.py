@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.fp4 import FP4_MAX, Fp4Weight, e2m1_code, e2m1_value, pow2_ceil
+from pallas_kernels.fp4 import FP4_MAX, e2m1_code, e2m1_value, mxfp4_parts, pow2_ceil, pow2_from_exponent
 from pallas_kernels.sparse_attention import ue8m0
 
 FP8_MAX = 448.0
@@ -59,7 +59,9 @@ def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
     """Indexer q/k quantiser: e2m1 with one power-of-two scale per 32 channels (MXFP4)."""
     if not fp4_block32_active(x.shape[-1]):
         return x
-    return Fp4Weight.from_float(x).dequantized(x.dtype)
+    codes, exponents = mxfp4_parts(x)
+    scale = jnp.repeat(pow2_from_exponent(exponents), 32, axis=-1)
+    return (e2m1_value(codes) * scale).astype(x.dtype)
 
 
 def nvfp4_block16(x: jnp.ndarray) -> jnp.ndarray:

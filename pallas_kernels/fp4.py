@@ -45,10 +45,15 @@ def pow2_ceil_exponent(t: jnp.ndarray) -> jnp.ndarray:
     return jnp.clip(((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32), -126, 127)
 
 
+def pow2_from_exponent(e: jnp.ndarray) -> jnp.ndarray:
+    """``2**(e - 127)`` (float32) of UE8M0 exponents in [1, 254], built from the IEEE bits: exp2
+    is not exact on every backend."""
+    return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+
+
 def pow2_ceil(t: jnp.ndarray) -> jnp.ndarray:
-    """``2**ceil(log2 t)`` for positive float32 ``t`` (a UE8M0 scale), built from its exponent
-    bits: exp2 is not exact on every backend."""
-    return jax.lax.bitcast_convert_type((pow2_ceil_exponent(t) + 127) << 23, jnp.float32)
+    """``2**ceil(log2 t)`` for positive float32 ``t`` (a UE8M0 scale)."""
+    return pow2_from_exponent(pow2_ceil_exponent(t) + 127)
 
 
 def e2m1_code(x: jnp.ndarray) -> jnp.ndarray:
@@ -112,38 +117,65 @@ def e2m1_f16_words(words: np.ndarray):
 
 
 class Fp4Weight(NamedTuple):
-    """An MXFP4 weight stack: ``codes [E, N, K]`` int4, each 32-block in the kernel's order
-    (``to_kernel_order``), and ``scale [E, N, K / 32]`` uint8 UE8M0 exponents:
-    ``w[e, n, k] = e2m1(from_kernel_order(codes)[e, n, k]) * 2^(scale[e, n, k // 32] - 127)``."""
+    """An MXFP4 weight stack ``[..., N, K]`` in the kernels' form: ``codes [..., N, K]`` int4,
+    each 32-block in the kernel's order (``to_kernel_order``); ``scale [..., K / 32, N]`` f16,
+    each block's power-of-two scale relative to its matrix's largest, times 2^F16_SHIFT
+    (undoing ``e2m1_f16``'s factor), transposed so that a kernel step's slice is one TMA tile;
+    and ``top [...]`` fp32, that largest scale. Then
+    ``w[.., n, k] = e2m1(from_kernel_order(codes)[.., n, k]) * scale[.., k // 32, n] * 2^-14 * top``.
+    It is derived once, when quantising or loading, so no call pays for it. Exact while a
+    block's scale is at most 2^23 below its matrix's largest; blocks further below round in
+    f16's subnormals, and below 2^-38 flush to zero."""
     codes: jax.Array
     scale: jax.Array
+    top: jax.Array
 
     @property
     def shape(self):
         return self.codes.shape
 
     @classmethod
-    def from_float(cls, w: jax.Array) -> "Fp4Weight":
-        """Quantise ``[..., K]`` (K % 32 == 0): per 32 values the scale is the power of two at
-        or above amax / 6 (MODEL_SPEC §3.5's FP4 block-32 rule), values round to e2m1."""
-        *lead, k = w.shape
-        if k % BLOCK:
-            raise ValueError(f"MXFP4 needs the last dimension divisible by {BLOCK}, got {w.shape}")
-        b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK)
-        amax = jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -126) * (1.0 / FP4_MAX)
-        codes = e2m1_code(jnp.clip(b / pow2_ceil(amax)[..., None], -FP4_MAX, FP4_MAX)).reshape(w.shape)
-        return cls(to_kernel_order(codes.astype(jnp.int4)), (pow2_ceil_exponent(amax) + 127).astype(jnp.uint8))
+    def from_codes(cls, codes: jax.Array, exponents: jax.Array) -> "Fp4Weight":
+        """From e2m1 codes ``[..., N, K]`` in column order and their blocks' UE8M0 exponents
+        ``[..., N, K / 32]`` (scale ``2^(e - 127)``)."""
+        e = exponents.astype(jnp.int32)
+        top = e.max(axis=(-2, -1))
+        rel = e - top[..., None, None] + F16_SHIFT
+        rel = jnp.where(rel >= -24, jnp.ldexp(jnp.float32(1), jnp.maximum(rel, -24)), 0.0).astype(jnp.float16)
+        return cls(to_kernel_order(codes.astype(jnp.int4)), jnp.swapaxes(rel, -1, -2),
+                   jnp.ldexp(jnp.float32(1), top - 127))
 
     @classmethod
-    def from_packed(cls, packed: jax.Array, scale: jax.Array) -> "Fp4Weight":
-        """From a checkpoint's bytes: ``packed [..., K / 2]`` uint8 (two codes per byte, low
-        nibble first, in column order) and ``scale [..., K / 32]`` uint8 UE8M0."""
+    def from_float(cls, w: jax.Array) -> "Fp4Weight":
+        """Quantise ``[..., N, K]`` (K % 32 == 0): per 32 values the scale is the power of two at
+        or above amax / 6 (MODEL_SPEC §3.5's FP4 block-32 rule), values round to e2m1."""
+        codes, exponents = mxfp4_parts(w)
+        return cls.from_codes(codes, exponents)
+
+    @classmethod
+    def from_packed(cls, packed: jax.Array, exponents: jax.Array) -> "Fp4Weight":
+        """From a checkpoint's bytes: ``packed [..., N, K / 2]`` uint8 (two codes per byte, low
+        nibble first, in column order) and ``exponents [..., N, K / 32]`` uint8 UE8M0."""
         codes = jax.lax.bitcast_convert_type(jnp.asarray(packed, jnp.uint8), jnp.int4)
         codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-        if codes.shape[-1] % BLOCK or scale.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
-            raise ValueError(f"MXFP4 scales {scale.shape} do not match codes {codes.shape} (one per {BLOCK})")
-        return cls(to_kernel_order(codes), jnp.asarray(scale, jnp.uint8))
+        if codes.shape[-1] % BLOCK or exponents.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
+            raise ValueError(f"MXFP4 scales {exponents.shape} do not match codes {codes.shape} (one per {BLOCK})")
+        return cls.from_codes(codes, jnp.asarray(exponents, jnp.uint8))
 
     def dequantized(self, dtype=jnp.float32):
-        s = jax.lax.bitcast_convert_type(self.scale.astype(jnp.int32) << 23, jnp.float32)   # 2^(e - 127)
-        return (e2m1_value(from_kernel_order(self.codes)) * jnp.repeat(s, BLOCK, axis=-1)).astype(dtype)
+        s = jnp.repeat(jnp.swapaxes(self.scale, -1, -2).astype(jnp.float32), BLOCK, axis=-1)
+        w = e2m1_value(from_kernel_order(self.codes)) * s * (2.0 ** -F16_SHIFT) * self.top[..., None, None]
+        return w.astype(dtype)
+
+
+def mxfp4_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MXFP4 quantisation of ``[..., K]`` (K % 32 == 0) in column order: int32 e2m1 codes and
+    each 32-block's UE8M0 exponent (int32; the scale is the power of two at or above amax / 6,
+    MODEL_SPEC §3.5's FP4 block-32 rule)."""
+    *lead, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"MXFP4 needs the last dimension divisible by {BLOCK}, got {x.shape}")
+    b = x.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK)
+    amax = jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -126) * (1.0 / FP4_MAX)
+    codes = e2m1_code(jnp.clip(b / pow2_ceil(amax)[..., None], -FP4_MAX, FP4_MAX)).reshape(x.shape)
+    return codes, pow2_ceil_exponent(amax) + 127

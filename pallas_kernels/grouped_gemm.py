@@ -85,7 +85,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, F16_SHIFT, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order
+from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class QuantizedWeight(NamedTuple):
 
 
 def _one_expert(w):
-    """A single expert's weight as a stack of one."""
+    """A single expert's weight as a stack of one (each of a quantised weight's arrays)."""
     if isinstance(w, (QuantizedWeight, Fp4Weight)):
         return type(w)(*(a[None] for a in w))
     return w[None]
@@ -215,21 +215,6 @@ def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
     """Block scales at tile granularity ``[E, N / bn, _scale_row(steps)]``."""
     t = jnp.repeat(jnp.repeat(w.scale, 128 // bn, axis=1), 128 // bk, axis=2)
     return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
-
-
-def _fp4_scales(w: Fp4Weight, bn: int):
-    """The per-step operand and the epilogue factor of an MXFP4 stack with ``bn``-row tiles:
-    each 32-block's scale relative to its tile's largest, times 2^F16_SHIFT (undoing
-    ``e2m1_f16``'s), in f16 and transposed to ``[E, K / 32, N]`` (a step's slice is one TMA
-    tile); and that largest, ``[E, N / bn]`` fp32. Exact while a block's scale is at most 2^23
-    below its tile's largest; blocks further below round in f16's subnormals or flush to zero.
-    """
-    e = w.scale.astype(jnp.int32)
-    n_e, n, kb = e.shape
-    top = e.reshape(n_e, n // bn, bn * kb).max(-1)
-    rel = e - jnp.repeat(top, bn, axis=1)[..., None] + F16_SHIFT
-    rel = jnp.where(rel >= -24, jnp.ldexp(jnp.float32(1), jnp.maximum(rel, -24)), 0.0).astype(jnp.float16)
-    return jnp.swapaxes(rel, 1, 2), jnp.ldexp(jnp.float32(1), top - 127)
 
 
 def _num_sms() -> int:
@@ -296,13 +281,12 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
     # kernel operands per stack: each weight, then the tile scales of its fp8 weights (f16:
     # relative to each tile's largest, and then those largest ones), or of its MXFP4 weights
-    # the relative 32-block scales (a pipelined operand) and then the tiles' largest
+    # the relative 32-block scales (a pipelined operand) and then each matrix's largest
     flat = []
     for st in stacks:
         flat += [w.codes if fp4 else w.q if isinstance(w, QuantizedWeight) else w for w in st]
         if fp4:
-            rel, largest = zip(*(_fp4_scales(w, bn) for w in st))
-            flat += [*rel, *largest]
+            flat += [w.scale for w in st] + [w.top for w in st]
             continue
         tile_scales = [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
         largest = [t.max(axis=-1) for t in tile_scales] if f16 else []
@@ -328,14 +312,16 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 run(tuple(w.at[expert - lo] for w in refs), tuple(s.at[expert - lo] for s in scales))
 
     def tile_factors(expert, ni, w_gmem):
-        """f16: per operand, the largest block scale of this tile's weights (else None)."""
+        """f16: per operand, the largest block scale of this tile's weights (MXFP4: of the
+        expert's matrix), else None."""
         if not f16:
             return None
         factors = [0.0] * n_ops
         for lo, n_e, _, _, largest in stacks_refs(w_gmem):
             mine = (expert >= lo) & (expert < lo + n_e)
             for j, big in enumerate(largest):
-                factors[j] = factors[j] + jnp.where(mine, big[jnp.clip(expert - lo, 0, n_e - 1), ni], 0.0)
+                e = jnp.clip(expert - lo, 0, n_e - 1)
+                factors[j] = factors[j] + jnp.where(mine, big[e] if fp4 else big[e, ni], 0.0)
         return factors
 
     def load_scales(scales, s_smem, barrier, ni, first=0):

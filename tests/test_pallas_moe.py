@@ -232,7 +232,8 @@ def test_mxfp4_kernels_lower_for_cuda_at_v41_shapes(up, down):
     sds = jax.ShapeDtypeStruct
 
     def weight(shape):
-        return Fp4Weight(sds(shape, jnp.int4), sds((*shape[:-1], shape[-1] // 32), jnp.uint8))
+        return Fp4Weight(sds(shape, jnp.int4), sds((shape[0], shape[2] // 32, shape[1]), jnp.float16),
+                         sds(shape[:1], jnp.float32))
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
         sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
