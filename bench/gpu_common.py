@@ -22,7 +22,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    # appended, not prepended: a probe that put another tree's packages first (a branch against
+    # main, each in its own process) keeps them (bench/RESULTS.md: a probe's "main" row once ran
+    # the branch's kernel)
+    sys.path.append(str(ROOT))
 
 try:
     import torch
