@@ -183,57 +183,42 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
-@pytest.mark.parametrize("up,down,fp8", [
-    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4), False),   # the decode-size default
-    (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), False),
-    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 256, 64, 4, 2, "n"), False),
-    (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True), False),
-    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), False),
-    (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), False),
-    (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 4, 2, persistent=True), False),
-    (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8), False),   # from 128 rows
+@pytest.mark.parametrize("up,down,fmt", [
+    (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4), "bf16"),   # the decode-size default
+    (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), "bf16"),
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 256, 64, 4, 2, "n"), "bf16"),
+    (GemmConfig(16, 64, 64, 6, swap_ab=True), GemmConfig(16, 256, 64, 4, swap_ab=True), "bf16"),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 4, swap_ab=True), "bf16"),
+    (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), "bf16"),
+    (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 4, 2, persistent=True), "bf16"),
+    (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8), "bf16"),   # from 128 rows
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
-    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), True),
-    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), True),
-    (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True), True),
-    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True), True),  # 128-deep
-    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True), True),  # from 65 rows
-    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), True),
-    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), False),
+    (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), "fp8"),
+    (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), "fp8"),
+    (GemmConfig(16, 128, 64, 4, swap_ab=True), GemmConfig(16, 128, 64, 4, swap_ab=True), "fp8"),
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True), "fp8"),  # 128-deep
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True), "fp8"),  # from 65 rows
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), "fp8"),
+    (GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), GemmConfig(32, 128, 64, 6, 2, "n", swap_ab=True), "bf16"),
+    # MXFP4: 4-bit loads, the per-32 scale rows, a wgmma per 32-wide slice
+    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True), "mxfp4"),
+    (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True), "mxfp4"),
+    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True), "mxfp4"),
 ])
-def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fp8):
+def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
     layouts and the 227 KiB shared-memory budget are checked without a GPU."""
     e, d, inter, m = 6, 5120, 2304, up.rows * 8
     sds = jax.ShapeDtypeStruct
 
     def weight(shape):
-        if not fp8:
-            return sds(shape, jnp.bfloat16)
-        return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
-                               sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
-    be = sds((m // up.rows,), jnp.int32)
-    jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
-        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
-    ).lower(lowering_platforms=("cuda",))
-    jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
-        sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
-
-
-@pytest.mark.parametrize("up,down", [
-    (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)),
-    (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True)),
-    (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
-])
-def test_mxfp4_kernels_lower_for_cuda_at_v41_shapes(up, down):
-    """The MXFP4 path's register layouts (4-bit loads, the per-32 scale rows, a wgmma per
-    32-wide slice) at V4.1-Flash expert shapes, without a GPU."""
-    e, d, inter, m = 6, 5120, 2304, up.rows * 8
-    sds = jax.ShapeDtypeStruct
-
-    def weight(shape):
-        return Fp4Weight(sds(shape, jnp.int4), sds((shape[0], shape[2] // 32, shape[1]), jnp.float16),
-                         sds(shape[:1], jnp.float32))
+        if fmt == "mxfp4":
+            return Fp4Weight(sds(shape, jnp.int4), sds((shape[0], shape[2] // 32, shape[1]), jnp.float16),
+                             sds(shape[:1], jnp.float32))
+        if fmt == "fp8":
+            return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
+                                   sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
+        return sds(shape, jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
         sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
