@@ -22,13 +22,13 @@ shared expert's CTAs fill SMs that the routed grid leaves idle.
 
 fp8 weights (``QuantizedWeight``: e4m3 with one scale per 128 x 128 block, DeepSeek's
 layout) stream at half the bytes; Hopper's wgmma has no mixed fp8 x bf16 form, so each step
-converts the fp8 tile through registers (the CTA's tile scales are loaded once) before the
-wgmma. With fp8 weights in every stack it runs in f16: one ``cvt.rn.f16x2.e4m3x2`` and one
-f16x2 multiply per pair of weights (by the block scale relative to the tile's largest: exact
-for power-of-two scales), where a bf16 tile costs a conversion to f32 and back; the
-activations go in as f16 (pass them so, else the kernel converts them: a pass over x), and
-the tile's largest scale multiplies the fp32 accumulator in the epilogue. The output keeps the
-activations' dtype. With one compute warpgroup that pass runs in series with the
+converts the fp8 tile through registers before the wgmma, times its block's scale relative
+to the largest in the tile's row of blocks (``QuantizedWeight.rel``, derived once at
+quantisation: the CTA loads its row once; exact for power-of-two scales), and that largest
+multiplies the fp32 accumulator in the epilogue. With fp8 weights in every stack it runs in
+f16: one ``cvt.rn.f16x2.e4m3x2`` and one f16x2 multiply per pair of weights, where a bf16 tile
+costs a conversion to f32 and back; the activations go in as f16 (pass them so, else the
+kernel converts them: a pass over x). The output keeps the activations' dtype. With one compute warpgroup that pass runs in series with the
 wgmma; warp specialised, the two compute warpgroups split the tile's columns
 (``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
 warpgroup streams the next (measured no faster than one warpgroup on the H200:
@@ -156,15 +156,37 @@ class GemmConfig:
         return self.block_n // (self.compute_wgs if self.split == "n" else 1)
 
 
+def _scale_row(n: int) -> int:
+    """Length of a scale row of ``n`` entries padded to 128 bytes, since a TMA copy into
+    shared memory must start at a 128-byte-aligned address (rows of several weights sit side
+    by side)."""
+    return n + -n % 32
+
+
 class QuantizedWeight(NamedTuple):
-    """An fp8 e4m3 expert stack ``q [E, N, K]`` with one fp32 scale per 128 x 128 block,
-    ``scale [E, N / 128, K / 128]`` (DeepSeek's block-scaled layout): ``w = q * scale``."""
+    """An fp8 e4m3 expert stack ``q [E, N, K]`` with one power-of-two fp32 scale per 128 x 128
+    block, ``scale [E, N / 128, K / 128]`` (DeepSeek's block-scaled layout): ``w = q * scale``.
+
+    The kernels read the scales in a form derived once (``of``), so that no call pays for it:
+    ``rel [E, N / 128, _scale_row(K / 128)]``, each block's scale over the largest in its row
+    of blocks, and that largest, ``largest [E, N / 128]``. A CTA's tile lies in one row of
+    blocks (tiles divide 128) and spans all of K, so it loads that row once and its epilogue
+    multiplies by that largest."""
     q: jax.Array
     scale: jax.Array
+    rel: jax.Array
+    largest: jax.Array
 
     @property
     def shape(self):
         return self.q.shape
+
+    @classmethod
+    def of(cls, q: jax.Array, scale: jax.Array) -> "QuantizedWeight":
+        largest = scale.max(axis=-1)
+        kb = scale.shape[-1]
+        rel = jnp.pad(scale / largest[..., None], [(0, 0)] * (scale.ndim - 1) + [(0, _scale_row(kb) - kb)])
+        return cls(q, scale, rel, largest)
 
     @classmethod
     def from_float(cls, w: jax.Array) -> "QuantizedWeight":
@@ -173,14 +195,14 @@ class QuantizedWeight(NamedTuple):
         blocks = w.astype(jnp.float32).reshape(*lead, n // 128, 128, k // 128, 128)
         scale = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), 1e-30) / 448))
         full = jnp.repeat(jnp.repeat(scale, 128, axis=-2), 128, axis=-1)
-        return cls((w / full).astype(jnp.float8_e4m3fn), scale)
+        return cls.of((w / full).astype(jnp.float8_e4m3fn), scale)
 
     def dequantized(self, dtype=jnp.float32):
         s = jnp.repeat(jnp.repeat(self.scale, 128, axis=-2), 128, axis=-1)
         return (self.q.astype(jnp.float32) * s).astype(dtype)
 
     def swapped(self):
-        return QuantizedWeight(jnp.swapaxes(self.q, 1, 2), self.scale)
+        return self._replace(q=jnp.swapaxes(self.q, 1, 2))
 
 
 def _one_expert(w):
@@ -203,18 +225,6 @@ def swiglu_f32(gate, up, limit: float):
     if limit > 0:
         gate, up = jnp.minimum(gate, limit), jnp.minimum(jnp.maximum(up, -limit), limit)
     return gate / (1.0 + jnp.exp(-gate)) * up
-
-
-def _scale_row(n_steps: int) -> int:
-    """Length of a tile-scale row: padded to 128 bytes, since a TMA copy into shared memory
-    must start at a 128-byte-aligned address (rows of several fp8 weights sit side by side)."""
-    return n_steps + -n_steps % 32
-
-
-def _scale_tiles(w: QuantizedWeight, bn: int, bk: int, n_steps: int):
-    """Block scales at tile granularity ``[E, N / bn, _scale_row(steps)]``."""
-    t = jnp.repeat(jnp.repeat(w.scale, 128 // bn, axis=1), 128 // bk, axis=2)
-    return jnp.pad(t, ((0, 0), (0, 0), (0, _scale_row(n_steps) - n_steps)))
 
 
 def _num_sms() -> int:
@@ -279,56 +289,52 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     bc = cfg.cols
     acc_shapes = [plgpu.ACC((bc, rows) if swap else (bm, bc))] * n_ops
     n_q_max = max(sum(isinstance(w, QuantizedWeight) for w in st) for st in stacks)
-    # kernel operands per stack: each weight, then the tile scales of its fp8 weights (f16:
-    # relative to each tile's largest, and then those largest ones), or of its MXFP4 weights
-    # the relative 32-block scales (a pipelined operand) and then each matrix's largest
+    # kernel operands per stack: each weight, then the relative scales of its quantised weights
+    # (fp8: a row per row of blocks, loaded once per CTA; MXFP4: the 32-block scales, a
+    # pipelined operand), then their largest scales (the epilogue's factors)
     flat = []
     for st in stacks:
         flat += [w.codes if fp4 else w.q if isinstance(w, QuantizedWeight) else w for w in st]
-        if fp4:
-            flat += [w.scale for w in st] + [w.top for w in st]
-            continue
-        tile_scales = [_scale_tiles(w, bn, bk, steps) for w in st if isinstance(w, QuantizedWeight)]
-        largest = [t.max(axis=-1) for t in tile_scales] if f16 else []
-        flat += [t / big[..., None] for t, big in zip(tile_scales, largest)] if f16 else tile_scales
-        flat += largest
+        quant = [w for w in st if isinstance(w, (QuantizedWeight, Fp4Weight))]
+        flat += [w.scale if fp4 else w.rel for w in quant] + [w.top if fp4 else w.largest for w in quant]
 
     def stacks_refs(w_gmem):
-        """Per stack: (first expert id, experts, weights, scale rows, largest scales)."""
+        """Per stack: (first expert id, experts, weights, scale rows, largest scales, the
+        operand index of each quantised weight)."""
         out = []
         for lo, st in zip(first, stacks):
-            n_q = sum(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in st)
-            n_big = n_q if f16 else 0
+            q_ops = [i for i, w in enumerate(st) if isinstance(w, (QuantizedWeight, Fp4Weight))]
+            n_q = len(q_ops)
             out.append((lo, st[0].shape[0], w_gmem[:n_ops], w_gmem[n_ops:n_ops + n_q],
-                        w_gmem[n_ops + n_q:n_ops + n_q + n_big]))
-            w_gmem = w_gmem[n_ops + n_q + n_big:]
+                        w_gmem[n_ops + n_q:n_ops + 2 * n_q], q_ops))
+            w_gmem = w_gmem[n_ops + 2 * n_q:]
         return out
 
     def per_stack(expert, w_gmem, run):
         """``run(weights, scale rows)`` with this expert's refs, under the stack that owns it."""
-        for lo, n_e, refs, scales, _ in stacks_refs(w_gmem):
+        for lo, n_e, refs, scales, *_ in stacks_refs(w_gmem):
             @pl.when((expert >= lo) & (expert < lo + n_e))
             def _(refs=refs, scales=scales, lo=lo):
                 run(tuple(w.at[expert - lo] for w in refs), tuple(s.at[expert - lo] for s in scales))
 
     def tile_factors(expert, ni, w_gmem):
-        """f16: per operand, the largest block scale of this tile's weights (MXFP4: of the
-        expert's matrix), else None."""
-        if not f16:
+        """Per operand, the largest block scale of this tile's weights (fp8: of its row of
+        blocks; MXFP4: of the expert's matrix), 1 for bf16 weights; None without quantised ones."""
+        if not quantized:
             return None
-        factors = [0.0] * n_ops
-        for lo, n_e, _, _, largest in stacks_refs(w_gmem):
-            mine = (expert >= lo) & (expert < lo + n_e)
-            for j, big in enumerate(largest):
-                e = jnp.clip(expert - lo, 0, n_e - 1)
-                factors[j] = factors[j] + jnp.where(mine, big[e] if fp4 else big[e, ni], 0.0)
+        factors = [1.0] * n_ops
+        for lo, n_e, _, _, largest, q_ops in stacks_refs(w_gmem):
+            e = jnp.clip(expert - lo, 0, n_e - 1)
+            for op, big in zip(q_ops, largest):
+                factors[op] = jnp.where((expert >= lo) & (expert < lo + n_e),
+                                        big[e] if fp4 else big[e, ni * bn // 128], factors[op])
         return factors
 
     def load_scales(scales, s_smem, barrier, ni, first=0):
-        """This CTA's tile scales of each fp8 weight (one row per weight), loaded once, each
+        """This CTA's row of relative block scales of each fp8 weight, loaded once, each
         through barrier ``first + j``."""
         for j, sc in enumerate(scales):
-            plgpu.copy_gmem_to_smem(sc.at[ni], s_smem.at[j], barrier.at[first + j])
+            plgpu.copy_gmem_to_smem(sc.at[ni * bn // 128], s_smem.at[j], barrier.at[first + j])
             plgpu.barrier_wait(barrier.at[first + j])
 
     def dequantized(w_tiles, w, s_smem, wb_smem, step):
@@ -345,10 +351,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             # warp shuffle per register into the wgmma layout, still as fp8
             vals = (plgpu.layout_cast(plgpu.load(wt, (), layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
                     if a_in_registers else wt[...])
+            s = s_smem[j, step * bk // 128]   # this step's block of the row
             if f16:
-                converted = vals.astype(jnp.float16) * s_smem[j, step].astype(jnp.float16)
+                converted = vals.astype(jnp.float16) * s.astype(jnp.float16)
             else:
-                converted = (vals.astype(jnp.float32) * s_smem[j, step]).astype(jnp.bfloat16)
+                converted = (vals.astype(jnp.float32) * s).astype(jnp.bfloat16)
             if a_in_registers:
                 tiles.append(converted)
             else:
@@ -491,7 +498,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
-            pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(steps)), jnp.float32),
+            pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(k // 128)), jnp.float32),
                           plgpu.Barrier(num_arrivals=1, num_barriers=n_q),
                           *(() if a_in_registers else (plgpu.SMEM((n_q, *tile), tile_dtype),)))
 
@@ -541,7 +548,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
                            if bc % EPI_COLS == 0 and out_dtype == jnp.bfloat16 and not swap
                            else plgpu.SMEM((cfg.compute_wgs, bm, bc), out_dtype),
-                           fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(steps)), jnp.float32),
+                           fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(k // 128)), jnp.float32),
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max),
                                 # the dequantised tiles, unless they go to the wgmma from registers
                                 *(() if a_in_registers else (plgpu.SMEM(

@@ -92,7 +92,11 @@ def test_grouped_tile_order_visits_every_tile_once(m_blocks, n_blocks, group_m):
 
 
 def fp8(key, shape):
-    return QuantizedWeight.from_float(jax.random.normal(key, shape) * shape[-1] ** -0.5)
+    """Random weights whose 128 x 128 blocks span scales 2^-6 to 2^0 (each block's scale matters)."""
+    *lead, n, k = shape
+    spread = 2.0 ** jax.random.randint(jax.random.fold_in(key, 1), (*lead, n // 128, 1, k // 128, 1), -6, 1)
+    w = jax.random.normal(key, (*lead, n // 128, 128, k // 128, 128)) * spread
+    return QuantizedWeight.from_float(w.reshape(shape) * k ** -0.5)
 
 
 def mxfp4(key, shape):
@@ -183,6 +187,14 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
 
+def fp8_sds(shape):
+    """An fp8 ``QuantizedWeight`` of ``shape`` as abstract arrays, for tracing only."""
+    sds = jax.ShapeDtypeStruct
+    e, n, k = shape
+    return QuantizedWeight(sds(shape, jnp.float8_e4m3fn), sds((e, n // 128, k // 128), jnp.float32),
+                           sds((e, n // 128, 32 * -(-k // 4096)), jnp.float32), sds((e, n // 128), jnp.float32))
+
+
 @pytest.mark.parametrize("up,down,fmt", [
     (GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4), "bf16"),   # the decode-size default
     (GemmConfig(128, 64, 64, 3, compute_wgs=2), GemmConfig(128, 128, 64, 3, compute_wgs=2), "bf16"),
@@ -215,10 +227,7 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
         if fmt == "mxfp4":
             return Fp4Weight(sds(shape, jnp.int4), sds((shape[0], shape[2] // 32, shape[1]), jnp.float16),
                              sds(shape[:1], jnp.float32))
-        if fmt == "fp8":
-            return QuantizedWeight(sds(shape, jnp.float8_e4m3fn),
-                                   sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32))
-        return sds(shape, jnp.bfloat16)
+        return fp8_sds(shape) if fmt == "fp8" else sds(shape, jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
         sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
@@ -238,7 +247,7 @@ def test_gemm_config_rejects_a_split_it_cannot_do(kw):
 
 def test_fp8_weights_refuse_persistent_ctas():
     sds = jax.ShapeDtypeStruct
-    w = QuantizedWeight(sds((2, 256, 256), jnp.float8_e4m3fn), sds((2, 2, 2), jnp.float32))
+    w = fp8_sds((2, 256, 256))
     with pytest.raises(NotImplementedError, match="persistent"):
         jax.jit(lambda x, a, i: grouped_matmul(x, a, i, cfg=GemmConfig(64, 128, 64, 2, 2, "n", persistent=True))).trace(
             sds((256, 256), jnp.bfloat16), w, sds((4,), jnp.int32))
