@@ -146,11 +146,13 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     tile is the wgmma's register operand). fp8: up to 64 rows per expert the steps are 128 deep
     (16-row tiles at 16 rows per expert; with two CTAs per SM these swung 3-5x between calls);
     above that, 128-row blocks 64 deep (each weight tile converted half as often as with 64-row
-    blocks: 19% faster at 256 rows, the largest size timed). MXFP4 (a first kernel, bound by
-    its conversion): the best of each size in one call, 256-deep steps at 16 rows per expert.
+    blocks: 19% faster at 256 rows, the largest size timed). MXFP4: the best of each size in
+    one call (16-row tiles 256 deep at 16 rows per expert, 64 x 128 up to 64, then 128 x 64).
     """
     if fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
-        rows, deep = (16, 256) if n_rows <= 16 * n_experts else (64, 128) if n_rows <= 64 * n_experts else (128, 64)
+        per_expert = n_rows / n_experts
+        rows, deep = (16, 256) if per_expert <= 16 else (64, 128) if per_expert <= 64 else (128, 64)
+
         def step(kk):
             return next((b for b in (256, 128, 64) if b <= deep and kk % b == 0), 64)
         cfgs = GemmConfig(rows, 64, step(d), 4, swap_ab=True), GemmConfig(rows, 128, step(inter), 3, swap_ab=True)

@@ -28,11 +28,11 @@ quantisation: the CTA loads its row once; exact for power-of-two scales), and th
 multiplies the fp32 accumulator in the epilogue. With fp8 weights in every stack it runs in
 f16: one ``cvt.rn.f16x2.e4m3x2`` and one f16x2 multiply per pair of weights, where a bf16 tile
 costs a conversion to f32 and back; the activations go in as f16 (pass them so, else the
-kernel converts them: a pass over x). The output keeps the activations' dtype. With one compute warpgroup that pass runs in series with the
-wgmma; warp specialised, the two compute warpgroups split the tile's columns
-(``GemmConfig.split="n"``), so each dequantises half of every weight tile while a TMA
-warpgroup streams the next (measured no faster than one warpgroup on the H200:
-bench/RESULTS.md). With swapped tiles (``swap_ab``) the weight is the wgmma's A operand, which
+kernel converts them: a pass over x). The output keeps the activations' dtype. With one
+compute warpgroup that pass runs in series with the wgmma; warp specialised, the two compute
+warpgroups split the tile's columns (``GemmConfig.split="n"``), so each dequantises half of
+every weight tile while a TMA warpgroup streams the next (measured no faster than one
+warpgroup on the H200: bench/RESULTS.md). With swapped tiles (``swap_ab``) the weight is the wgmma's A operand, which
 Hopper reads from registers: the converted tile goes from registers straight into the wgmma,
 with no bf16 copy through shared memory and no fence; warp specialised, two compute
 warpgroups each convert their 64 weight rows of a tile while the TMA warpgroup streams the
@@ -45,11 +45,13 @@ registers.
 
 MXFP4 weights (``pallas_kernels.fp4.Fp4Weight``: e2m1 codes as int4, a UE8M0 scale per 32;
 V4.1's expert format) run swapped, one compute warpgroup, in f16: each step's code tile is
-loaded in the 4-bit WGMMA layout and turned into f16 by bit moves (``e2m1_f16``), and each
-32-wide slice, times its rows' scales relative to the tile's largest (a pipelined f16
-operand), goes to its own wgmma from registers. On the H200 that conversion, per 16-bit
-element, bounds it: 7x the MXFP4 roofline at 16 rows per expert, slower than fp8
-(bench/RESULTS.md); converting whole 32-bit words is the next step.
+loaded in the 4-bit WGMMA layout, whose 32-bit words (codes stored in the kernel's order)
+turn into the f16 WGMMA-layout registers by a few bit moves each (``fp4.e2m1_f16_words``),
+and each 32-wide slice, times its rows' block scales relative to the matrix's largest (a
+pipelined f16 operand), goes to its own wgmma from registers. On the H200, at 16 rows per
+expert, the two kernels take 52 µs of GPU time (fp8 61, bf16 104; 1.9x the MXFP4 roofline);
+the conversion is about a quarter of it, and the 1.6 waves of a small grid most of the rest
+(bench/RESULTS.md).
 
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
@@ -263,11 +265,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise NotImplementedError("fp8 weights with persistent CTAs")
     swap = cfg.swap_ab
     out_dtype = lhs.dtype
-    # fp8 weights in every stack: the wgmma runs in f16. A weight tile converts with one cvt per
-    # pair and one multiply by its block scale relative to the tile's largest (exact for
-    # power-of-two scales); the activations are f16 (exact for bf16 values within f16's
-    # range); the tile's largest scale multiplies the fp32 accumulator in the epilogue.
-    # MXFP4 weights (every stack) run the same way, with a scale per 32 (``fp4_pieces``).
+    # Quantised weights in every stack: the wgmma runs in f16. An fp8 tile converts with one cvt
+    # per pair and one multiply by its block's relative scale (exact for power-of-two scales);
+    # the activations are f16 (exact for bf16 values within f16's range); MXFP4 tiles likewise,
+    # a scale per 32 (``fp4_mma``); the largest scales multiply the fp32 accumulator in the
+    # epilogue.
     f16 = quantized and all(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in weights)
     if f16:
         lhs = lhs.astype(jnp.float16)
