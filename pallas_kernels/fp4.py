@@ -21,11 +21,14 @@ a row, half ``b`` of it) sits at ``8 t + 4 b + i``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 BLOCK = 32
 FP4_MAX = 6.0
@@ -37,6 +40,7 @@ _TIE_UP = (False, True, False, True, False, True, False)
 # ``e2m1_f16`` moves E and m to f16's lowest exponent bits and its top mantissa bit, which gives
 # the e2m1 value times 2^-14 (E = 0 lands on f16's subnormal 2^-14 * m/2, with the same factor)
 F16_SHIFT = 14
+
 
 def pow2_ceil_exponent(t: jnp.ndarray) -> jnp.ndarray:
     """``ceil(log2 t)`` (int32, clipped to [-126, 127]) for positive float32 ``t``, from its IEEE
@@ -94,13 +98,9 @@ def from_kernel_order(codes: jnp.ndarray) -> jnp.ndarray:
     return jnp.moveaxis(blocks, -1, -3).reshape(codes.shape)
 
 
-def e2m1_f16_words(words: np.ndarray):
+def e2m1_f16_words(words: Sequence) -> list[list]:
     """Mosaic GPU code: 32-bit words of 8 codes in the kernel's order → the f16 pairs (as
     ``vector<2xf16>``), four per word: pair ``i`` from nibbles ``i`` (low half) and ``4 + i``."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
     i32 = ir.IntegerType.get_signless(32)
     f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
     c = lambda v: arith.constant(i32, v)  # noqa: E731
