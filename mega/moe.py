@@ -223,18 +223,18 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
     n_experts, inter = p["w1"].shape[:2]
+    shared = p.get("shared")
     routed = [p[k] for k in EXPERT_WEIGHTS]
-    fmt = _format(routed)
+    both = _format(routed + ([shared[k] for k in EXPERT_WEIGHTS] if shared is not None else []))
+    fmt = _format(routed) if both is None else both   # None: MXFP4 beside another kind
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
     cfgs = None if fmt is None else _kernel_configs(x, n, n_experts, d, inter, fmt)
-    shared = p.get("shared")
-    fuse_shared = (cfgs is not None and shared is not None and shared["w1"].shape == (inter, d)
-                   and shared["w2"].shape == (d, inter)
-                   and _format(routed + [shared[k] for k in EXPERT_WEIGHTS]) == fmt)
+    fuse_shared = (cfgs is not None and shared is not None and both is not None
+                   and shared["w1"].shape == (inter, d) and shared["w2"].shape == (d, inter))
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)

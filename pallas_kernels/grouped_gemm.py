@@ -261,6 +261,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     ws = cfg.compute_wgs > 1
     if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
+    if ws and len({w.dtype if not isinstance(w, QuantizedWeight) else "fp8" for w in weights}) > 1:
+        # (its pipeline buffers are allocated once, from the first stack's tiles)
+        raise NotImplementedError("warp-specialised tiles need every weight of one kind (fp8 or bf16)")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
     swap = cfg.swap_ab

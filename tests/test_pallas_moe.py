@@ -245,6 +245,15 @@ def test_gemm_config_rejects_a_split_it_cannot_do(kw):
         GemmConfig(**kw)
 
 
+def test_warp_specialised_tiles_refuse_mixed_weight_kinds():
+    """fp8 routed experts beside a bf16 shared expert: one kind of pipeline buffer per launch."""
+    sds = jax.ShapeDtypeStruct
+    with pytest.raises(NotImplementedError, match="one kind"):
+        jax.jit(lambda x, a, s, i: grouped_matmul(x, a, i, shared=s, cfg=GemmConfig(64, 128, 64, 2, 2, "n"))).trace(
+            sds((256, 256), jnp.bfloat16), fp8_sds((2, 256, 256)), sds((256, 256), jnp.bfloat16),
+            sds((4,), jnp.int32))
+
+
 def test_fp8_weights_refuse_persistent_ctas():
     sds = jax.ShapeDtypeStruct
     w = fp8_sds((2, 256, 256))
