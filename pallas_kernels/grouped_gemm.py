@@ -195,7 +195,7 @@ class QuantizedWeight(NamedTuple):
         """Block-quantise ``[..., N, K]`` weights: power-of-two scale per 128 x 128 block."""
         *lead, n, k = w.shape
         blocks = w.astype(jnp.float32).reshape(*lead, n // 128, 128, k // 128, 128)
-        scale = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), 1e-30) / 448))
+        scale = _fp8_scale(jnp.abs(blocks).max(axis=(-3, -1)))
         full = jnp.repeat(jnp.repeat(scale, 128, axis=-2), 128, axis=-1)
         return cls.of((w / full).astype(jnp.float8_e4m3fn), scale)
 
@@ -205,6 +205,35 @@ class QuantizedWeight(NamedTuple):
 
     def swapped(self):
         return self._replace(q=jnp.swapaxes(self.q, 1, 2))
+
+
+def _fp8_scale(amax: jax.Array) -> jax.Array:
+    """The power-of-two (UE8M0) scale that takes a block's largest magnitude to at most e4m3's 448."""
+    return 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / 448))
+
+
+class Fp8Rows(NamedTuple):
+    """Activation rows in fp8 for the W8A8 kernels (the block-fp8 MoE of DeepGEMM and SGLang):
+    e4m3 ``q [M, K]`` with one power-of-two scale per row per 128 columns, kept transposed,
+    ``scale [K / 128, M]``, so that a CTA's rows of it are one TMA box."""
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @classmethod
+    def from_float(cls, x: jax.Array) -> "Fp8Rows":
+        m, k = x.shape
+        blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
+        scale = _fp8_scale(jnp.abs(blocks).max(axis=-1))
+        return cls((blocks / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k), scale.T)
+
+    def dequantized(self, dtype=jnp.float32):
+        m, k = self.q.shape
+        blocks = self.q.astype(jnp.float32).reshape(m, k // 128, 128) * self.scale.T[..., None]
+        return blocks.reshape(m, k).astype(dtype)
 
 
 def _one_expert(w):
@@ -259,6 +288,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                   "warpgroup, block_k a multiple of 64")
     quantized = fp4 or any(isinstance(w, QuantizedWeight) for w in weights)
     ws = cfg.compute_wgs > 1
+    w8a8 = isinstance(lhs, Fp8Rows)
+    if w8a8 and (not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab or ws
+                 or 128 % bk):
+        raise NotImplementedError("fp8 activations (Fp8Rows): fp8 weights in every stack, swapped tiles "
+                                  "(swap_ab), one compute warpgroup, block_k dividing 128")
     if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     if ws and len({w.dtype if not isinstance(w, QuantizedWeight) else "fp8" for w in weights}) > 1:
@@ -267,13 +301,16 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
     swap = cfg.swap_ab
-    out_dtype = lhs.dtype
+    out_dtype = jnp.bfloat16 if w8a8 else lhs.dtype
     # Quantised weights in every stack: the wgmma runs in f16. An fp8 tile converts with one cvt
     # per pair and one multiply by its block's relative scale (exact for power-of-two scales);
     # the activations are f16 (exact for bf16 values within f16's range); MXFP4 tiles likewise,
     # a scale per 32 (``fp4_mma``); the largest scales multiply the fp32 accumulator in the
     # epilogue.
-    f16 = quantized and all(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in weights)
+    # W8A8 (``Fp8Rows``): fp8 x fp8 wgmmas straight from shared memory, no conversion; each
+    # step's product is scaled by its row's and its weight block's scales into an fp32 sum
+    # (``w8a8_loop``).
+    f16 = not w8a8 and quantized and all(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in weights)
     if f16:
         lhs = lhs.astype(jnp.float16)
     tile_dtype = jnp.float16 if f16 else jnp.bfloat16   # of the converted fp8 weight tiles
@@ -286,6 +323,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     if kn:
         stacks = tuple(tuple(w.swapped() if isinstance(w, QuantizedWeight) else jnp.swapaxes(w, 1, 2)
                              for w in st) for st in stacks)
+    act_scale = None
+    if w8a8:
+        lhs, act_scale = lhs
     if x_km:
         lhs = lhs.T
     first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]
@@ -425,10 +465,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def store(accs, o_smem, o_gmem, s_smem=None, factors=None):
-        """The epilogue (``factors``: see ``tile_factors``); persistent, the store's wait moves
-        to the next tile's epilogue (the store overlaps the next main loop) and the kernel's end."""
-        out = epilogue(*(a[...] if f is None else a[...] * f for a, f in zip(accs, factors or [None] * n_ops)))
+    def store(vals, o_smem, o_gmem, s_smem=None, factors=None):
+        """The epilogue on the accumulated ``vals`` (``factors``: see ``tile_factors``);
+        persistent, the store's wait moves to the next tile's epilogue (the store overlaps the
+        next main loop) and the kernel's end."""
+        out = epilogue(*(a if f is None else a * f for a, f in zip(vals, factors or [None] * n_ops)))
         if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
             sc = s_smem[...]
             if interpret is None:  # a vector of the accumulator layout's rows (columns)
@@ -465,9 +506,45 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         return cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn)
 
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
-        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
+        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled + w8a8:-1], refs[-1]
+        act_gmem = refs[scaled] if w8a8 else None
         mi, ni = grid_tile()
         expert = block_expert_gmem[mi]
+
+        def w8a8_loop(w, scales):
+            """The W8A8 main loop; returns the tile's fp32 sums (times the epilogue's factors).
+            Each step's wgmmas go to fresh accumulators and are awaited in the step: their
+            product, scaled per row (the rows' scales of this 128-column block, loaded once per
+            CTA) and by the weight block's relative scale, adds into the sums, as DeepGEMM's
+            promotion does. Hopper's fp8 wgmma reads both operands K-major from shared memory."""
+            n_q = len(scales)
+
+            def body(w_scales, row_scales, barrier):
+                load_scales(scales, w_scales, barrier, ni)
+                plgpu.copy_gmem_to_smem(act_gmem.at[:, pl.ds(mi * rows, rows)], row_scales, barrier.at[n_q])
+                plgpu.barrier_wait(barrier.at[n_q])
+
+                def step(idx, x, *rest):
+                    *w_smem, sums = rest
+
+                    def products(*parts):
+                        mma(parts, x, w_smem)
+                        plgpu.wgmma_wait(0)
+                        return [p[...] for p in parts]
+                    block = idx[0] * bk // 128
+                    per_row = (row_scales[block] if interpret is not None else
+                               plgpu.load(row_scales.at[block], (), layout=plgpu.Layout.WGMMA.reduce(0)))
+                    return tuple(acc + part * jax.lax.broadcast_in_dim(per_row * w_scales[j, block], part.shape, [1])
+                                 for j, (acc, part) in enumerate(zip(sums, pl.run_scoped(products, *acc_shapes))))
+                zero = jnp.zeros((bc, rows), jnp.float32)
+                if interpret is None:
+                    zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+                return plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
+                                           max_concurrent_steps=cfg.stages,
+                                           init_carry=(zero,) * n_ops)(lhs_gmem, *w)
+            return pl.run_scoped(body, plgpu.SMEM((n_q, _scale_row(k // 128)), jnp.float32),
+                                 plgpu.SMEM((k // 128, rows), jnp.float32),
+                                 plgpu.Barrier(num_arrivals=1, num_barriers=n_q + 1))
 
         def run(accs, w, scales):
             if fp4:
@@ -509,24 +586,31 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
         @pl.when(expert >= 0)
         def _():
+            def finish(vals, s_smem, barrier):
+                if scaled:
+                    plgpu.barrier_wait(barrier)
+                pl.run_scoped(lambda o_smem: store(vals, o_smem, out_gmem.at[
+                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem, tile_factors(expert, ni, w_gmem)),
+                    plgpu.SMEM((rows, bn), out_dtype))
+
             def scope(accs, s_smem=None, barrier=None):
                 # the row scales land while the main loop runs, in a buffer of their own (the
                 # epilogue's o_smem reuses the pipeline's, which the last wgmma may still read)
                 if scaled:
                     fetch_row_scales(scale_gmem, mi * rows, s_smem, barrier)
+                if w8a8:   # (the sums are values: the epilogue runs under the stack's branch)
+                    per_stack(expert, w_gmem, lambda w, sc: finish(w8a8_loop(w, sc), s_smem, barrier))
+                    return
                 per_stack(expert, w_gmem, lambda w, sc: run(accs, w, sc))
-                if scaled:
-                    plgpu.barrier_wait(barrier)
-                pl.run_scoped(lambda o_smem: store(accs, o_smem, out_gmem.at[
-                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem, tile_factors(expert, ni, w_gmem)),
-                    plgpu.SMEM((rows, bn), out_dtype))
+                finish([a[...] for a in accs], s_smem, barrier)
 
-            if scaled:  # (register and shared-memory allocations take separate scopes)
-                pl.run_scoped(lambda s_smem, barrier: pl.run_scoped(
-                    lambda *accs: scope(accs, s_smem, barrier), *acc_shapes),
-                    plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(num_arrivals=1))
+            def with_accs(f):   # (register and shared-memory allocations take separate scopes)
+                return f(()) if w8a8 else pl.run_scoped(lambda *accs: f(accs), *acc_shapes)
+            if scaled:
+                pl.run_scoped(lambda s_smem, barrier: with_accs(lambda accs: scope(accs, s_smem, barrier)),
+                              plgpu.SMEM((rows,), jnp.float32), plgpu.Barrier(num_arrivals=1))
             else:
-                pl.run_scoped(lambda *accs: scope(accs), *acc_shapes)
+                with_accs(scope)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
@@ -588,7 +672,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                         def scope(*accs):
                             body(accs)
-                            store(accs, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
+                            store([a[...] for a in accs], o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
                                                                     pl.ds(ni * bn + my_cols, bc)], s_smem,
                                   tile_factors(expert, ni, w_gmem))
                         pl.run_scoped(scope, *acc_shapes)
@@ -613,7 +697,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()), *flat)
+    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()),
+                  *((act_scale,) if w8a8 else ()), *flat)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))

@@ -16,7 +16,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 import mega.moe as moe_module
 from mega.moe import MoeSpec, aligned_layout, moe
 from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul,
+from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul,
                                          grouped_matmul_reference, grouped_swiglu,
                                          grouped_swiglu_reference)
 
@@ -104,6 +104,44 @@ def mxfp4(key, shape):
     spread = 2.0 ** jax.random.randint(jax.random.fold_in(key, 1), (*shape[:-1], shape[-1] // 32, 1), -6, 1)
     w = jax.random.normal(key, shape).reshape(spread.shape[:-1] + (32,)) * spread
     return Fp4Weight.from_float(w.reshape(shape) * shape[-1] ** -0.5)
+
+
+def fp8_rows(key, x):
+    """Rows as ``Fp8Rows``, their 128-column blocks first spread over scales 2^-6 to 2^2."""
+    m, k = x.shape
+    spread = 2.0 ** jax.random.randint(key, (m, k // 128, 1), -6, 3)
+    return Fp8Rows.from_float((x.reshape(m, k // 128, 128) * spread).reshape(m, k))
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 64, 128, 2, swap_ab=True), GemmConfig(24, 128, 64, 3, swap_ab=True)],
+                         ids=["128-deep", "64-deep"])
+def test_fp8_activations_match_reference(cfg, rng):
+    """W8A8: fp8 rows (a scale per row per 128 columns) times fp8 routed and shared experts,
+    with routing weights; the references take the dequantised rows, and ``h`` is requantised
+    between the launches as ``mega.moe`` does."""
+    e, d, inter, limit = 2, 256, 256, 3.0
+    sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
+    n = int(sizes.sum())
+    dest, block_expert, m_pad = aligned_layout(sizes, n, cfg.rows, e + 1)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 9)
+    x = fp8_rows(keys[7], jnp.zeros((m_pad, d)).at[dest].set(jax.random.normal(keys[0], (n, d))))
+    w1, w3, w2 = fp8(keys[1], (e, inter, d)), fp8(keys[2], (e, inter, d)), fp8(keys[3], (e, d, inter))
+    shared_up = fp8(keys[4], (inter, d)), fp8(keys[5], (inter, d))
+    shared_down = fp8(keys[6], (d, inter))
+    row_w = jnp.asarray(rng.uniform(0.1, 2.0, m_pad), jnp.float32)
+    h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
+                       interpret=INTERPRET)
+    h8 = fp8_rows(keys[8], h)
+    out = grouped_matmul(h8, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
+    rows = np.asarray(dest)
+    assert h.dtype == out.dtype == jnp.bfloat16
+    for got, want in ((h, grouped_swiglu_reference(x.dequantized(), w1, w3, block_expert, limit=limit,
+                                                   rows=cfg.rows, shared=shared_up, row_scale=row_w)),
+                      (out, grouped_matmul_reference(h8.dequantized(), w2, block_expert, rows=cfg.rows,
+                                                     shared=shared_down))):
+        got, want = np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows]
+        assert np.isfinite(got).all() and np.abs(want).max() > 0
+        assert rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("quantized,cfg", [
@@ -216,6 +254,9 @@ def fp8_sds(shape):
     (GemmConfig(16, 64, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True), "mxfp4"),
     (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True), "mxfp4"),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True), "mxfp4"),
+    # W8A8: fp8 rows and fp8 weights, both straight from shared memory
+    (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True), "w8a8"),
+    (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
@@ -227,13 +268,18 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
         if fmt == "mxfp4":
             return Fp4Weight(sds(shape, jnp.int4), sds((shape[0], shape[2] // 32, shape[1]), jnp.float16),
                              sds(shape[:1], jnp.float32))
-        return fp8_sds(shape) if fmt == "fp8" else sds(shape, jnp.bfloat16)
+        return fp8_sds(shape) if fmt in ("fp8", "w8a8") else sds(shape, jnp.bfloat16)
+
+    def rows(k):
+        if fmt == "w8a8":
+            return Fp8Rows(sds((m, k), jnp.float8_e4m3fn), sds((k // 128, m), jnp.float32))
+        return sds((m, k), jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
-        sds((m, d), jnp.bfloat16), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
+        rows(d), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
-        sds((m, inter), jnp.bfloat16), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
+        rows(inter), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},

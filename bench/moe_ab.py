@@ -1,0 +1,120 @@
+"""A/B of the quantised expert kernels between source trees, in one GPU call (a probe).
+
+Each tree (``name=path``: this one, or e.g. an archive of main) runs in its own process, on the
+same data (fixed seeds), the gate/up + down kernels of each listed config, fp8 and MXFP4
+weights with f16 rows, and W8A8 (``w8a8``: fp8 weights, ``Fp8Rows`` in, ``h`` requantised by
+XLA between the kernels, as SGLang's block-fp8 MoE does), at the V4.1-Flash expert shapes of
+``moe_gpu.py``: each row checked against the fp32 reference on the dequantised weights (and
+rows: W8A8's ``rel_err`` includes ``h``'s fp8 rounding, ``rel_err_h`` is the gate/up kernel's
+alone), then GPU busy time per call (profiler trace over six calls, no host gaps) and each
+kernel's µs.
+
+    OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8] main=../.probe/main new=.   # $OUT/moe_ab.json
+"""
+import json
+import os
+import subprocess
+import sys
+
+E, D, I, LIMIT = 6, 5120, 2304, 10.0
+# (format, tokens per expert) → [(gate/up config, down config)] as GemmConfig arguments
+CONFIGS = {
+    ("fp8", 16): [((16, 64, 128, 6), (16, 128, 128, 4)), ((32, 64, 128, 4), (32, 128, 128, 3))],
+    ("fp8", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 3), (64, 128, 128, 2))],
+    ("fp8", 256): [((128, 64, 64, 4), (128, 128, 64, 3))],
+    ("mxfp4", 16): [((16, 64, 256, 4), (16, 128, 256, 3)), ((16, 64, 128, 8), (16, 128, 128, 6))],
+    ("mxfp4", 64): [((64, 64, 128, 4), (64, 128, 128, 3))],
+    ("mxfp4", 256): [((128, 64, 64, 4), (128, 128, 64, 3))],
+    ("w8a8", 16): [((16, 64, 128, 6), (16, 128, 128, 4)), ((32, 64, 128, 4), (32, 128, 128, 3)),
+                   ((16, 64, 128, 8), (16, 64, 128, 8))],
+    ("w8a8", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 6), (64, 64, 128, 6))],
+    # (W8A8 holds each accumulator twice, the step's product and the sum: 64 x 64 per operand)
+    ("w8a8", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 6), (64, 64, 128, 6))],
+}
+
+
+def one_tree(formats: list[str]) -> list[dict]:
+    """Every config of ``CONFIGS`` in ``formats``, with the packages first on ``sys.path``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from gpu_common import gpu_kernels, gpu_timeline, rel_err
+    from moe_gpu import reference
+    from pallas_kernels.fp4 import Fp4Weight
+    from pallas_kernels import grouped_gemm as gg
+    from pallas_kernels.grouped_gemm import GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
+    w8a8_rows = getattr(gg, "Fp8Rows", None)   # (absent from trees before W8A8)
+    keys = jax.random.split(jax.random.key(0), 4)
+    w1, w3 = (jax.random.normal(k, (E, I, D), jnp.bfloat16) * D ** -0.5 for k in keys[:2])
+    w2 = jax.random.normal(keys[2], (E, D, I), jnp.bfloat16) * I ** -0.5
+    quantizers = {"fp8": QuantizedWeight.from_float, "mxfp4": Fp4Weight.from_float, "w8a8": QuantizedWeight.from_float}
+    rows = []
+    for (fmt, t), pairs in CONFIGS.items():
+        if fmt not in formats or (fmt == "w8a8" and w8a8_rows is None):
+            continue
+        qs = [quantizers[fmt](w) for w in (w1, w3, w2)]
+        x = jax.random.normal(jax.random.fold_in(keys[3], t), (E * t, D), jnp.bfloat16)
+        if fmt == "w8a8":
+            x = w8a8_rows.from_float(x).dequantized(jnp.bfloat16)   # (exact: the rows as quantised)
+            d1, d3 = (q.dequantized() for q in qs[:2])
+            xe = x.astype(jnp.float32).reshape(E, t, D)
+            hp = jax.lax.Precision.HIGHEST
+            h_ref = np.asarray(gg.swiglu_f32(jnp.einsum("etd,eid->eti", xe, d1, precision=hp),
+                                             jnp.einsum("etd,eid->eti", xe, d3, precision=hp), LIMIT))
+        ref = np.asarray(reference(x, *(q.dequantized() for q in qs), (t,) * E))
+        for up, down in pairs:
+            cu, cd = GemmConfig(*up, swap_ab=True), GemmConfig(*down, swap_ab=True)
+            per = -(-t // cu.rows) * cu.rows       # rows per expert, block aligned (balanced)
+            x_al = jnp.pad(x.reshape(E, t, D), ((0, 0), (0, per - t), (0, 0))).reshape(E * per, D)
+            be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), per // cu.rows)
+            if fmt == "w8a8":
+                fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(w8a8_rows.from_float(
+                    grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu)), c, be, cfg=cd))
+                args = (w8a8_rows.from_float(x_al), *qs, be)
+            else:
+                fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
+                    grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu), c, be, cfg=cd))
+                args = (x_al.astype(jnp.float16), *qs, be)
+            row = {"format": fmt, "T": t, "up": up, "down": down}
+            try:
+                def valid(y, n):
+                    return np.asarray(y, np.float32).reshape(E, per, n)[:, :t].reshape(E * t, n)
+                y = valid(fn(*args), D)
+                row["rel_err"] = rel_err(y, ref)
+                if fmt == "w8a8":
+                    h = grouped_swiglu(args[0], qs[0], qs[1], be, limit=LIMIT, cfg=cu)
+                    row["rel_err_h"] = rel_err(valid(h, I), h_ref.reshape(E * t, I))
+                row["gpu"] = gpu_timeline(lambda: jax.block_until_ready([fn(*args) for _ in range(6)]), 6)
+                row["kernels_us"] = [us for _, us in gpu_kernels(fn, *args)]
+            except Exception as e:  # one failing config must not lose the others
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main():
+    args = sys.argv[1:]
+    formats = args.pop(args.index("--formats") + 1) if "--formats" in args else "fp8,mxfp4,w8a8"
+    trees = dict(a.split("=", 1) for a in args if a != "--formats")
+    out, rows = os.environ["OUT"], []
+    for name, path in trees.items():
+        root = os.path.abspath(path)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "bench")])}
+        r = subprocess.run([sys.executable, __file__, "--one", formats], capture_output=True, text=True, env=env,
+                           timeout=280)
+        got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+        if not got:
+            got = [{"error": r.stderr[-2000:]}]
+        rows += [{"tree": name, **g} for g in got]
+        for g in got:
+            print(name, json.dumps(g), flush=True)
+    json.dump({"commit": os.environ.get("MEGAJAX_COMMIT"), "trees": trees, "rows": rows},
+              open(os.path.join(out, "moe_ab.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        one_tree(sys.argv[2].split(","))
+    else:
+        main()
