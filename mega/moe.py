@@ -10,6 +10,11 @@ Expert weights (routed and shared) are bf16 arrays, fp8 ``QuantizedWeight`` stac
 with one power-of-two scale per 128 x 128 block) or MXFP4 ``Fp4Weight`` stacks (e2m1 with one
 UE8M0 scale per 32: V4.1's expert format); ``quantize_experts`` makes either. The Pallas
 kernels convert the tiles in registers, the reference dequantises them first.
+``MoeSpec.fp8_activations`` (W8A8, SGLang's block-fp8 MoE) also quantises the rows going into
+each expert GEMM to e4m3 with a power-of-two scale per 128 columns (``Fp8Rows``): the kernels
+then run fp8 x fp8 wgmmas with fp8 weights, and the reference (any other weights) rounds the
+rows the same way. The gather writes ``x``'s rows quantised; ``h`` is requantised by XLA
+between the two launches.
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
@@ -32,7 +37,7 @@ import jax.numpy as jnp
 from mega import backend
 from mega.primitives import HIGHEST, linear
 from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
+from pallas_kernels.grouped_gemm import Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # block-scaled expert formats: their weight type, and the block sizes their dimensions need
@@ -47,6 +52,7 @@ class MoeSpec:
     swiglu_limit: float
     gate_temp: float = 1.0
     norm_topk: bool = True
+    fp8_activations: bool = False
 
 
 def route(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None
@@ -104,10 +110,17 @@ def quantize_experts(p: dict, fmt: str = "fp8") -> dict:
     return out
 
 
-def shared_expert(x: jnp.ndarray, p: dict, limit: float) -> jnp.ndarray:
+def _rounded(x: jnp.ndarray, fp8: bool) -> jnp.ndarray:
+    """Rows as the expert GEMMs see them: with fp8 activations (W8A8), e4m3 with a power-of-two
+    scale per 128 columns (exact in bf16), else as they are."""
+    return Fp8Rows.from_float(x).dequantized(x.dtype) if fp8 else x
+
+
+def shared_expert(x: jnp.ndarray, p: dict, limit: float, fp8_rows: bool = False) -> jnp.ndarray:
     w1, w3, w2 = (_dense(p[k], x.dtype) for k in EXPERT_WEIGHTS)
+    x = _rounded(x, fp8_rows)
     h = swiglu(linear(x, w1), linear(x, w3), limit)
-    return linear(h.astype(x.dtype), w2)
+    return linear(_rounded(h.astype(x.dtype), fp8_rows), w2)
 
 
 def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts: int):
@@ -148,8 +161,14 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     above that, 128-row blocks 64 deep (each weight tile converted half as often as with 64-row
     blocks: 19% faster at 256 rows, the largest size timed). MXFP4: the best of each size in
     one call (16-row tiles 256 deep at 16 rows per expert, 64 x 128 up to 64, then 128 x 64).
+    W8A8 ("w8a8"): 16-row tiles up to 16 rows per expert, else 64 (each accumulator is held
+    twice, the step's product and the sum, so 128-row tiles would spill).
     """
-    if fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
+    if fmt == "w8a8":
+        rows = 16 if n_rows <= 16 * n_experts else 64
+        cfgs = (GemmConfig(rows, 64, 128, 6 if rows == 16 else 4, swap_ab=True),
+                GemmConfig(rows, 128, 128, 4 if rows == 16 else 3, swap_ab=True))
+    elif fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
         per_expert = n_rows / n_experts
         rows, deep = (16, 256) if per_expert <= 16 else (64, 128) if per_expert <= 64 else (128, 64)
 
@@ -175,7 +194,7 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     return cfgs if use else None
 
 
-def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=False):
+def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=False, fp8_rows=False):
     """Grouped SwiGLU experts through the Pallas kernels, for the rows ``x[tokens]`` grouped
     by expert (``tokens``: each grouped row's token).
 
@@ -187,7 +206,8 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     tiles stream in the same wave as the routed ones (at decode sizes its CTAs take SMs the
     routed grid leaves idle).
     Returns the block-aligned output rows and the aligned row of each grouped row (routed
-    rows, then shared rows), so the combine gathers each row only once.
+    rows, then shared rows), so the combine gathers each row only once. ``fp8_rows``: W8A8,
+    the rows and ``h`` go in as ``Fp8Rows``.
     """
     n_experts = p["w1"].shape[0]
     shared = None
@@ -204,19 +224,21 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     x_al = jnp.where(src[:, None] >= 0, x[jnp.maximum(src, 0)], 0).astype(x.dtype)
     w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
-    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
+    rows_in = Fp8Rows.from_float if fp8_rows else (lambda rows: rows)
+    h = grouped_swiglu(rows_in(x_al), p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp)
-    return grouped_matmul(h, p["w2"], block_expert, cfg=down_cfg, interpret=interp,
+    return grouped_matmul(rows_in(h), p["w2"], block_expert, cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 
 
-def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit):
+def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit, fp8_rows=False):
     def grouped(lhs, w):  # w: [E, out, in]
         return jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
                                   preferred_element_type=jnp.float32)
+    xs = _rounded(xs, fp8_rows)
     h = swiglu(grouped(xs, w1), grouped(xs, w3), limit) * row_w[:, None]
-    return grouped(h.astype(xs.dtype), w2)
+    return grouped(_rounded(h.astype(xs.dtype), fp8_rows), w2)
 
 
 @jax.named_scope("mega_moe")  # prefixes its ops' names in HLO dumps and XProf
@@ -225,28 +247,32 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
     n_experts, inter = p["w1"].shape[:2]
     shared = p.get("shared")
     routed = [p[k] for k in EXPERT_WEIGHTS]
-    both = _format(routed + ([shared[k] for k in EXPERT_WEIGHTS] if shared is not None else []))
+    every = routed + ([shared[k] for k in EXPERT_WEIGHTS] if shared is not None else [])
+    both = _format(every)
     fmt = _format(routed) if both is None else both   # None: MXFP4 beside another kind
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
+    if spec.fp8_activations:   # the W8A8 kernels take fp8 weights only, routed and shared
+        fmt = "w8a8" if all(isinstance(w, QuantizedWeight) for w in every) else None
     cfgs = None if fmt is None else _kernel_configs(x, n, n_experts, d, inter, fmt)
     fuse_shared = (cfgs is not None and shared is not None and both is not None
                    and shared["w1"].shape == (inter, d) and shared["w2"].shape == (d, inter))
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
-        out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared)
+        out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared,
+                                    spec.fp8_activations)
         pair_rows = dest[inv]
     else:
         out = _experts_reference(x[tokens], row_w, *(_dense(p[k], x.dtype) for k in EXPERT_WEIGHTS), group_sizes,
-                                 spec.swiglu_limit)
+                                 spec.swiglu_limit, spec.fp8_activations)
         pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows
     y = out[pair_rows].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
     if fuse_shared:
         y = y + out[dest[n:]].astype(jnp.float32)
     elif shared is not None:
-        y = y + shared_expert(x, shared, spec.swiglu_limit)
+        y = y + shared_expert(x, shared, spec.swiglu_limit, spec.fp8_activations)
     return y.astype(x.dtype)

@@ -76,6 +76,9 @@ class ModelConfig:
     topk_method: str = "noaux_tc"
     swiglu_limit: float = 10.0
     hidden_act: str = "silu"
+    # "fp8": rows quantised to e4m3 (a power-of-two scale per 128 columns) before each expert
+    # GEMM, as block-fp8 checkpoints' dynamic activation scheme (W8A8) does
+    expert_activations: str = "bf16"
     # mHC
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -147,6 +150,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derivation
     def _derive(self) -> "ModelConfig":
+        if self.expert_activations not in ("bf16", "fp8"):
+            raise ConfigError(f"config field 'expert_activations' must be bf16 or fp8, not {self.expert_activations!r}")
         n, n_draft = self.num_hidden_layers, self.num_nextn_predict_layers
         ratios = list(self.compress_ratios)
         if not n <= len(ratios) <= n + n_draft:

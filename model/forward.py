@@ -36,7 +36,7 @@ class Trace(NamedTuple):
 
 def moe_spec(cfg: ModelConfig) -> MoeSpec:
     return MoeSpec(cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                   cfg.norm_topk_prob)
+                   cfg.norm_topk_prob, cfg.expert_activations == "fp8")
 
 
 def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,

@@ -23,11 +23,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8_e4m3: keep the sliding-window KV as e4m3 values + UE8M0 scales (the model's own "
                          "FP8 window format, so the same outputs; 528 bytes a row at head_dim 512); the compressed "
                          "pools keep the model dtype")
-    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4"], default="none",
+    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
                     help="quantise the routed and shared expert weights at load (the MoE kernels convert them in "
                          "registers). fp8: e4m3 with one power-of-two scale per 128 x 128 block, half the expert "
                          "memory; needs hidden and expert sizes divisible by 128. mxfp4: V4.1's expert format, e2m1 "
-                         "with one power-of-two scale per 32, 27%% of it; needs sizes divisible by 64")
+                         "with one power-of-two scale per 32, 27%% of it; needs sizes divisible by 64. w8a8: fp8 "
+                         "weights as fp8, and the rows into each expert GEMM in e4m3 with a power-of-two scale per "
+                         "128 columns (SGLang's block-fp8 MoE): fp8 x fp8 tensor-core GEMMs")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--no-warmup", action="store_true")

@@ -53,13 +53,15 @@ class EngineConfig:
     prefix_cache: bool = True
     top_logprobs: int = 20
     kv_cache_dtype: str = "auto"  # "fp8_e4m3": the window KV ring in its stored FP8 form
-    quantization: str = "none"  # "fp8" / "mxfp4": expert weights quantised at load (mega.moe.FORMATS)
+    # "fp8" / "mxfp4": expert weights quantised at load (mega.moe.FORMATS); "w8a8": fp8 weights
+    # and the rows into each expert GEMM in fp8 (SGLang's block-fp8 MoE)
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
-        if self.quantization not in ("none", "fp8", "mxfp4"):
-            raise ValueError(f"quantization must be none, fp8 or mxfp4, not {self.quantization!r}")
+        if self.quantization not in ("none", "fp8", "mxfp4", "w8a8"):
+            raise ValueError(f"quantization must be none, fp8, mxfp4 or w8a8, not {self.quantization!r}")
         if self.decoder_replay not in ("approx", "exact", "off"):
             raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
         if self.page_size <= 0 or self.page_size % 2:
@@ -85,6 +87,8 @@ class Engine:
         from model.engram_vocab import engram_map_for
 
         enable_compilation_cache()
+        if config.quantization == "w8a8":
+            cfg = dataclasses.replace(cfg, expert_activations="fp8")
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
         emap = None
@@ -96,7 +100,7 @@ class Engine:
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.prefill_budget, keep)
         if config.quantization != "none":
-            params = with_quantized_experts(params, config.quantization)
+            params = with_quantized_experts(params, "fp8" if config.quantization == "w8a8" else config.quantization)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
                                   window_fp8=config.kv_cache_dtype == "fp8_e4m3")

@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                     help="fp8_e4m3: the sliding-window KV as e4m3 + UE8M0 scales (same outputs)")
-    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4"], default="none",
-                    help="expert weights quantised at load: fp8 (e4m3, 128 x 128 block scales) or mxfp4 (e2m1, "
-                         "a power-of-two scale per 32)")
+    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
+                    help="expert weights quantised at load: fp8 (e4m3, 128 x 128 block scales), mxfp4 (e2m1, "
+                         "a power-of-two scale per 32) or w8a8 (fp8 weights and fp8 rows, a scale per 128)")
     ap.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
     args = ap.parse_args(argv)
 

@@ -3,7 +3,7 @@
 Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
 decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
 MegaAttention kernel accepts, and the MoE calls the grouped kernels (with fp8 or MXFP4 expert
-weights under ``quantization="fp8"`` or ``"mxfp4"``). The kernels' numerics
+weights under ``quantization="fp8"`` or ``"mxfp4"``, and fp8 rows as well under ``"w8a8"``). The kernels' numerics
 are tested against their references in ``test_pallas_*``; here each kernel is stood in for by
 its reference behind a recorder (interpreted, the attention kernel takes minutes per step at
 64 heads, and engine steps full of interpreter callbacks are better kept out of the suite's
@@ -19,7 +19,7 @@ import mega.attention
 import mega.moe
 from checkpoints.init import init_params
 from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import QuantizedWeight, grouped_matmul_reference, grouped_swiglu_reference
+from pallas_kernels.grouped_gemm import Fp8Rows, QuantizedWeight, grouped_matmul_reference, grouped_swiglu_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -37,7 +37,7 @@ def kernel_sized():
 
 
 @pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "none"), ("fp8_e4m3", "none"), ("auto", "fp8"),
-                                                         ("auto", "mxfp4")])
+                                                         ("auto", "mxfp4"), ("auto", "w8a8")])
 def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantization, monkeypatch):
     cfg, params = kernel_sized
     seen = {"attention": [], "moe": 0, "expert_weights": set()}
@@ -48,13 +48,16 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
 
     def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None):
         seen["moe"] += 1
-        seen["expert_weights"] |= {"fp8" if isinstance(w, QuantizedWeight) else "mxfp4" if isinstance(w, Fp4Weight)
-                                   else "none" for w in (w1, w3, *(shared or ()))}
-        return grouped_swiglu_reference(x, w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
+        seen["expert_weights"] |= {"w8a8" if isinstance(x, Fp8Rows) else "fp8" if isinstance(w, QuantizedWeight)
+                                   else "mxfp4" if isinstance(w, Fp4Weight) else "none" for w in (w1, w3, *(shared or ()))}
+        return grouped_swiglu_reference(rows(x), w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
                                         row_scale=row_scale)
 
     def matmul_kernel(h, w2, block_expert, *, cfg, shared=None, interpret=None):
-        return grouped_matmul_reference(h, w2, block_expert, rows=cfg.rows, shared=shared)
+        return grouped_matmul_reference(rows(h), w2, block_expert, rows=cfg.rows, shared=shared)
+
+    def rows(x):
+        return x.dequantized(jnp.bfloat16) if isinstance(x, Fp8Rows) else x
 
     monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")   # the stand-ins below lower nothing for the GPU
     monkeypatch.setattr(mega.attention, "sparse_mqa", attention_kernel)
@@ -68,7 +71,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
-    # --quantization fp8 / mxfp4: every routed and shared expert stack reaches the kernels so
+    # --quantization fp8 / mxfp4 / w8a8: every routed and shared expert stack reaches the kernels so
     assert seen["expert_weights"] == {quantization}
     for dtypes, fits in seen["attention"]:
         assert fits and dtypes[0] == window and all(d == jnp.bfloat16 for d in dtypes[1:])

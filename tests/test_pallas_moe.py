@@ -197,9 +197,11 @@ def test_aligned_layout_has_no_loop():
     assert "while" not in hlo
 
 
-def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
+@pytest.mark.parametrize("w8a8", [False, True], ids=["bf16", "w8a8"])
+def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8):
     """The full MegaMoE op (routing, dispatch, kernels, combine, shared expert) through the
-    interpreted kernels equals the reference path on the same bf16 inputs."""
+    interpreted kernels equals the reference path on the same bf16 inputs; W8A8 (fp8 experts,
+    fp8 rows), both paths round the rows alike, and that rounding shows."""
     t, d, inter, e = 19, 256, 256, 4
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
     bf = jnp.bfloat16
@@ -212,9 +214,14 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng):
                     "w3": jax.random.normal(keys[5], (inter, d), bf) * d ** -0.5,
                     "w2": jax.random.normal(keys[6], (d, inter), bf) * inter ** -0.5}}
     x = jax.random.normal(keys[7], (t, d), bf)
-    spec = MoeSpec(top_k=2, routed_scale=1.5, swiglu_limit=3.0)
+    spec = MoeSpec(top_k=2, routed_scale=1.5, swiglu_limit=3.0, fp8_activations=w8a8)
+    if w8a8:
+        p = moe_module.quantize_experts(p, "fp8")
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     want = moe(x, p, spec)
+    if w8a8:   # the rows' fp8 rounding is visible against bf16 rows
+        unrounded = moe(x, p, MoeSpec(top_k=2, routed_scale=1.5, swiglu_limit=3.0))
+        assert rel(np.asarray(unrounded, np.float32), np.asarray(want, np.float32)) > 5e-3
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
     calls = []
     monkeypatch.setattr(moe_module, "grouped_swiglu",
