@@ -51,7 +51,7 @@ from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, r
 
 from mega.moe import aligned_layout  # noqa: E402
 from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import (GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
+from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
                                          swiglu_f32)
 
 E, D, I = 6, 5120, 2304
@@ -119,10 +119,21 @@ MXFP4_CONFIGS = [
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
     (GemmConfig(128, 64, 128, 4, swap_ab=True), GemmConfig(128, 128, 128, 3, swap_ab=True)),
 ]
+# W8A8 (fp8 weights, fp8 rows with a scale per 128 columns; ``h`` requantised by XLA in the
+# call): both operands straight from shared memory, so no conversion; each accumulator is held
+# twice (the step's product and the sum), which keeps tiles at 64 weight x 64 rows
+W8A8_CONFIGS = [
+    (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
+    (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 64, 128, 6, swap_ab=True), GemmConfig(64, 64, 128, 6, swap_ab=True)),
+]
 # block-scaled weight formats beside bf16: (case suffix, quantiser, bytes per weight, configs)
 QUANTIZED = {
     "fp8": ("_fp8w", QuantizedWeight.from_float, 1 + 4 / 128 ** 2, "fp8 e4m3 weights, 128x128 block scales"),
     "mxfp4": ("_mxfp4w", Fp4Weight.from_float, 0.5 + 1 / 32, "MXFP4 weights (e2m1, UE8M0 per 32)"),
+    "w8a8": ("_w8a8", QuantizedWeight.from_float, 1 + 4 / 128 ** 2,
+             "fp8 e4m3 weights (128x128 block scales) and rows (a scale per 128)"),
 }
 # compute-bound sizes (from 128 rows per expert): persistent CTAs, one per SM, each looping
 # over output tiles (the next tile's loads and the last tile's store overlap the epilogue and
@@ -157,9 +168,16 @@ def counts_for(t: int, routing: str) -> np.ndarray:
     return c
 
 
-@functools.partial(jax.jit, static_argnames="counts")
-def reference(xs, w1, w3, w2, counts):
-    """fp32 per-expert reference on rows grouped by expert (h rounded to bf16 as the model does)."""
+def fp8_rounded(x):
+    return Fp8Rows.from_float(x).dequantized(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("counts", "fp8_rows"))
+def reference(xs, w1, w3, w2, counts, fp8_rows=False):
+    """fp32 per-expert reference on rows grouped by expert (h rounded to bf16 as the model does;
+    ``fp8_rows``: x and h also rounded to fp8 rows as W8A8 does)."""
+    rounded = fp8_rounded if fp8_rows else (lambda v: v)
+    xs = rounded(xs)
     outs, start = [], 0
     f32 = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
@@ -167,7 +185,7 @@ def reference(xs, w1, w3, w2, counts):
         x = xs[start:start + c].astype(jnp.float32)
         h = swiglu_f32(f32("td,id->ti", x, w1[e].astype(jnp.float32)),
                        f32("td,id->ti", x, w3[e].astype(jnp.float32)), LIMIT).astype(jnp.bfloat16)
-        outs.append(f32("ti,di->td", h.astype(jnp.float32), w2[e].astype(jnp.float32)))
+        outs.append(f32("ti,di->td", rounded(h).astype(jnp.float32), w2[e].astype(jnp.float32)))
         start += c
     return jnp.concatenate(outs)
 
@@ -285,7 +303,7 @@ def run_case(t, routing, ceil, rows, roof, weights="bf16", shared=False):
         suffix, quantize, per_weight, dtype = QUANTIZED[weights]
         q1, q3, q2 = (quantize(w) for w in (w1, w3, w2))
         ref = np.asarray(reference(xs, *(q.dequantized() for q in (q1, q3, q2)),
-                                   tuple(int(c) for c in counts)))
+                                   tuple(int(c) for c in counts), weights == "w8a8"))
         roof[key + suffix] = roofline_ms(flops, 3 * E * I * D * per_weight + 2 * n * D * 2, ceil)
         measure(key + suffix, {**case, "dtype": dtype}, quantized_impls(weights, xs, q1, q3, q2, counts),
                 ref, rows, roof)
@@ -321,16 +339,20 @@ def config_name(prefix, cu, cd):
 def quantized_impls(weights, xs, q1, q3, q2, counts):
     n = int(counts.sum())
     out = {}
-    configs = configs_for(counts, FP8_CONFIGS, FP8_SWAP_CONFIGS) if weights == "fp8" else MXFP4_CONFIGS
+    configs = {"fp8": configs_for(counts, FP8_CONFIGS, FP8_SWAP_CONFIGS), "mxfp4": MXFP4_CONFIGS,
+               "w8a8": W8A8_CONFIGS}[weights]
+    w8a8 = weights == "w8a8"
     for cu, cd in configs:
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
         fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
-            grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET), c, be, cfg=cd,
+            (Fp8Rows.from_float if w8a8 else lambda h: h)(
+                grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET)), c, be, cfg=cd,
             interpret=INTERPRET))
         # the kernels compute in f16 with quantised weights: f16 rows in (the dispatch's gather
-        # would write them so) keep a conversion pass out of the timed call, and h stays f16
+        # would write them so) keep a conversion pass out of the timed call, and h stays f16;
+        # W8A8 takes the rows quantised (as the gather would write them)
         out[config_name("megajax" + QUANTIZED[weights][0], cu, cd)] = (
-            "jax", fn, (x_al.astype(jnp.float16), q1, q3, q2, block_expert),
+            "jax", fn, (Fp8Rows.from_float(x_al) if w8a8 else x_al.astype(jnp.float16), q1, q3, q2, block_expert),
             lambda y, dest=dest: y[dest].astype(jnp.float32))
     return out
 
@@ -438,8 +460,8 @@ def main():
     ap.add_argument("--tokens", default="16,64,256,1024,4096")
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--skewed", default="16,256,4096", help="token counts also run with skewed routing")
-    ap.add_argument("--weights", default="bf16,fp8,mxfp4",
-                    help="any of bf16, fp8, mxfp4 (quantised rows up to 256 tokens)")
+    ap.add_argument("--weights", default="bf16,fp8,mxfp4,w8a8",
+                    help="any of bf16, fp8, mxfp4, w8a8 (quantised rows up to 256 tokens)")
     ap.add_argument("--plot", help="write a PNG from the run (or from --from-json)")
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
@@ -449,7 +471,7 @@ def main():
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
                     "a 7th group): fused into the routed launches, and every impl on 7 stacked experts")
     args = ap.parse_args()
-    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, MXFP4_CONFIGS, TRACE
+    global E, D, I, INTERPRET, CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS, MXFP4_CONFIGS, W8A8_CONFIGS, TRACE
     TRACE = args.trace
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
@@ -457,7 +479,7 @@ def main():
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
         CONFIGS, SWAP_CONFIGS, FP8_SWAP_CONFIGS = CONFIGS[:1], SWAP_CONFIGS[:1], FP8_SWAP_CONFIGS[:1]
-        MXFP4_CONFIGS = MXFP4_CONFIGS[:1]
+        MXFP4_CONFIGS, W8A8_CONFIGS = MXFP4_CONFIGS[:1], W8A8_CONFIGS[:1]
     if args.from_json:
         import json
         plot(json.load(open(args.from_json)), args.plot)
@@ -472,7 +494,7 @@ def main():
     # the quantised-weight cases last: a kernel fault spoils the process, not the rows before it
     weights = args.weights.split(",")
     if not set(weights) <= {"bf16", *QUANTIZED}:
-        ap.error(f"--weights takes bf16, fp8 and mxfp4, got {args.weights}")
+        ap.error(f"--weights takes bf16, fp8, mxfp4 and w8a8, got {args.weights}")
     runs = [("bf16", True, (t, "balanced")) for t in shared_cases]
     runs += [(w, False, c) for w in ("bf16", *QUANTIZED) if w in weights for c in cases]
     for w, shared, (t, routing) in runs:

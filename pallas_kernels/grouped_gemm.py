@@ -53,6 +53,15 @@ expert, the two kernels take 52 µs of GPU time (fp8 61, bf16 104; 1.9x the MXFP
 the conversion is about a quarter of it, and the 1.6 waves of a small grid most of the rest
 (bench/RESULTS.md).
 
+W8A8 (``Fp8Rows`` in, fp8 weights; SGLang's and DeepGEMM's block-fp8 MoE): the rows come
+quantised, e4m3 with a power-of-two scale per row per 128 columns, so both wgmma operands are
+fp8 in shared memory and nothing is converted. Swapped, one compute warpgroup: each step's
+wgmmas go to fresh accumulators and are awaited; their product, times the rows' scales for
+that 128-column block (loaded once per CTA) and the weight block's relative scale, adds into
+fp32 sums carried through the pipeline (DeepGEMM's promotion). Both the sums and the step's
+product are live, so tiles stay at 64 x 64 per operand. The output is bf16; ``mega.moe``
+requantises ``h`` in XLA between the launches.
+
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
 L2-resident expert, and six experts' weights streaming from HBM cost another 5-10%. A fused
