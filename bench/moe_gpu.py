@@ -168,15 +168,11 @@ def counts_for(t: int, routing: str) -> np.ndarray:
     return c
 
 
-def fp8_rounded(x):
-    return Fp8Rows.from_float(x).dequantized(x.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("counts", "fp8_rows"))
 def reference(xs, w1, w3, w2, counts, fp8_rows=False):
     """fp32 per-expert reference on rows grouped by expert (h rounded to bf16 as the model does;
     ``fp8_rows``: x and h also rounded to fp8 rows as W8A8 does)."""
-    rounded = fp8_rounded if fp8_rows else (lambda v: v)
+    rounded = Fp8Rows.rounded if fp8_rows else (lambda v: v)
     xs = rounded(xs)
     outs, start = [], 0
     f32 = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,

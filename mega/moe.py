@@ -113,7 +113,7 @@ def quantize_experts(p: dict, fmt: str = "fp8") -> dict:
 def _rounded(x: jnp.ndarray, fp8: bool) -> jnp.ndarray:
     """Rows as the expert GEMMs see them: with fp8 activations (W8A8), e4m3 with a power-of-two
     scale per 128 columns (exact in bf16), else as they are."""
-    return Fp8Rows.from_float(x).dequantized(x.dtype) if fp8 else x
+    return Fp8Rows.rounded(x) if fp8 else x
 
 
 def shared_expert(x: jnp.ndarray, p: dict, limit: float, fp8_rows: bool = False) -> jnp.ndarray:

@@ -244,6 +244,21 @@ class Fp8Rows(NamedTuple):
         blocks = self.q.astype(jnp.float32).reshape(m, k // 128, 128) * self.scale.T[..., None]
         return blocks.reshape(m, k).astype(dtype)
 
+    @staticmethod
+    def rounded(x: jax.Array) -> jax.Array:
+        """``from_float(x).dequantized(x.dtype)`` for the references, without an fp8 array: XLA
+        on the GPU drops a convert to fp8 and back inside a fusion (excess precision), so the
+        rounding is spelled out. e4m3fn keeps 3 mantissa bits from 2^-6 up (``reduce_precision``
+        with a wider exponent, which the GPU keeps; values stay within 448), and a fixed
+        2^-9 step below."""
+        m, k = x.shape
+        blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
+        scale = _fp8_scale(jnp.abs(blocks).max(axis=-1))[..., None]
+        v = blocks / scale
+        v = jnp.where(jnp.abs(v) < 2.0 ** -6, jnp.round(v * 2.0 ** 9) * 2.0 ** -9,
+                      jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3))
+        return (v * scale).reshape(m, k).astype(x.dtype)
+
 
 def _one_expert(w):
     """A single expert's weight as a stack of one (each of a quantised weight's arrays)."""
