@@ -377,6 +377,11 @@ def measure(key, case, variants, ref, rows, roof):
     one_dispatch(key, variants, rows)
 
 
+def varied(rows, factor):
+    """Distinct inputs of the same kind: the rows (or W8A8's row scales) times ``factor``."""
+    return rows._replace(scale=rows.scale * factor) if isinstance(rows, Fp8Rows) else rows * factor
+
+
 def one_dispatch(key, variants, rows):
     """The case's best megajax config and the JAX peers again, three calls (distinct rows, the
     same weights) per jitted dispatch: ``ms`` dispatches every call from the host, which can
@@ -388,8 +393,8 @@ def one_dispatch(key, variants, rows):
     picked += [r for r in done if not r["impl"].startswith("megajax") and variants[r["impl"]][0] == "jax"]
     for row in picked:
         _, fn, args, _ = variants[row["impl"]]
-        sets = [(args[0] * (1 + i / 64), *args[1:]) for i in range(3)]
         try:
+            sets = [(varied(args[0], 1 + i / 64), *args[1:]) for i in range(3)]
             row["ms_one_dispatch"] = time_jax_one_dispatch(fn, sets)
             if TRACE:
                 row["kernels_us"] = gpu_kernels(fn, *args)
