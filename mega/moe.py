@@ -157,17 +157,18 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
 
     fp8 and MXFP4 weights: swapped tiles of 64 weight rows at every size (the converted weight
     tile is the wgmma's register operand). fp8: up to 64 rows per expert the steps are 128 deep
-    (16-row tiles at 16 rows per expert; with two CTAs per SM these swung 3-5x between calls);
-    above that, 128-row blocks 64 deep (each weight tile converted half as often as with 64-row
-    blocks: 19% faster at 256 rows, the largest size timed). MXFP4: the best of each size in
+    (32-row tiles up to 16 rows per expert: in three calls as fast as the best 16-row ones
+    balanced, and 14-25% faster skewed); above that, 128-row blocks 64 deep (each weight tile
+    converted half as often as with 64-row blocks: 19% faster at 256 rows, the largest size
+    timed). MXFP4: the best of each size in
     one call (16-row tiles 256 deep at 16 rows per expert, 64 x 128 up to 64, then 128 x 64).
-    W8A8 ("w8a8"): 16-row tiles up to 16 rows per expert, else 64 (each accumulator is held
-    twice, the step's product and the sum, so 128-row tiles would spill).
+    W8A8 ("w8a8", and fp8 at the smallest sizes): 32-row tiles up to 16 rows per expert, else
+    64 (each accumulator is held twice, the step's product and the sum, so 128-row tiles would
+    spill).
     """
-    if fmt == "w8a8":
-        rows = 16 if n_rows <= 16 * n_experts else 64
-        cfgs = (GemmConfig(rows, 64, 128, 6 if rows == 16 else 4, swap_ab=True),
-                GemmConfig(rows, 128, 128, 4 if rows == 16 else 3, swap_ab=True))
+    if fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
+        rows = 32 if n_rows <= 16 * n_experts else 64
+        cfgs = GemmConfig(rows, 64, 128, 4, swap_ab=True), GemmConfig(rows, 128, 128, 3, swap_ab=True)
     elif fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
         per_expert = n_rows / n_experts
         rows, deep = (16, 256) if per_expert <= 16 else (64, 128) if per_expert <= 64 else (128, 64)
@@ -176,9 +177,7 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
             return next((b for b in (256, 128, 64) if b <= deep and kk % b == 0), 64)
         cfgs = GemmConfig(rows, 64, step(d), 4, swap_ab=True), GemmConfig(rows, 128, step(inter), 3, swap_ab=True)
     elif fmt == "fp8":
-        if n_rows <= 16 * n_experts:
-            cfgs = GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)
-        elif n_rows <= 64 * n_experts:
+        if n_rows <= 64 * n_experts:
             cfgs = GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
         else:
             cfgs = GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)

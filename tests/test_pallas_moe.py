@@ -275,7 +275,7 @@ def fp8_sds(shape):
     (GemmConfig(64, 64, 256, 3, swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True), "mxfp4"),
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True), "mxfp4"),
     # W8A8: fp8 rows and fp8 weights, both straight from shared memory
-    (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True), "w8a8"),
+    (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True), "w8a8"),
     (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
