@@ -13,8 +13,8 @@ kernels convert the tiles in registers, the reference dequantises them first.
 ``MoeSpec.fp8_activations`` (W8A8, SGLang's block-fp8 MoE) also quantises the rows going into
 each expert GEMM to e4m3 with a power-of-two scale per 128 columns (``Fp8Rows``): the kernels
 then run fp8 x fp8 wgmmas with fp8 weights, and the reference (any other weights) rounds the
-rows the same way. The gather writes ``x``'s rows quantised; ``h`` is requantised by XLA
-between the two launches.
+rows the same way. The gathered rows are quantised, and ``h`` requantised, by XLA around
+the two launches.
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing

@@ -733,9 +733,10 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None, row_sc
     the epilogue, before its one rounding, as §3.9 orders it (no pass over ``h`` between the
     two launches).
 
-    x ``[M, D]`` bf16 (block-aligned rows), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight``
-    (fp8: one compute warpgroup or ``split="n"``); ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
-    the shared expert. Returns ``[M, I]`` in x's dtype.
+    x ``[M, D]`` bf16 (block-aligned rows), or ``Fp8Rows`` (W8A8: with fp8 weights, swapped
+    tiles), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight`` (fp8: one compute warpgroup or
+    ``split="n"``) or ``Fp4Weight``; ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
+    the shared expert. Returns ``[M, I]`` in x's dtype (bf16 for ``Fp8Rows``).
     """
     stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared)),))
     return _grouped_kernel(x, stacks, block_expert,

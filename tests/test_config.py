@@ -61,6 +61,7 @@ def test_flash_derived_fields():
     (lambda r: r.update(o_groups=3), "o_groups"),
     (lambda r: r.update(layer_types=["sliding_attention"] * 8), "layer_types"),
     (lambda r: r.update(scoring_func="softmax"), "scoring_func"),
+    (lambda r: r.update(expert_activations="int8"), "expert_activations"),
 ])
 def test_bad_fields_are_named(edit, field):
     raw = tiny_raw()
