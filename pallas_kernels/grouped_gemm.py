@@ -96,7 +96,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order
+from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order, pow2_ceil
 
 
 @dataclass(frozen=True)
@@ -217,8 +217,9 @@ class QuantizedWeight(NamedTuple):
 
 
 def _fp8_scale(amax: jax.Array) -> jax.Array:
-    """The power-of-two (UE8M0) scale that takes a block's largest magnitude to at most e4m3's 448."""
-    return 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30) / 448))
+    """The power-of-two (UE8M0) scale that takes a block's largest magnitude to at most e4m3's 448
+    (from the float's bits: ``log2`` is not exact at every power of two)."""
+    return pow2_ceil(jnp.maximum(amax, 1e-30) / 448)
 
 
 class Fp8Rows(NamedTuple):
@@ -350,6 +351,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     act_scale = None
     if w8a8:
         lhs, act_scale = lhs
+        if act_scale.shape != (k // 128, m):
+            raise ValueError(f"Fp8Rows scale must have shape ({k // 128}, {m}), got {act_scale.shape}")
     if x_km:
         lhs = lhs.T
     first = [sum(st[0].shape[0] for st in stacks[:i]) for i in range(len(stacks))]

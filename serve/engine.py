@@ -89,6 +89,10 @@ class Engine:
         enable_compilation_cache()
         if config.quantization == "w8a8":
             cfg = dataclasses.replace(cfg, expert_activations="fp8")
+        elif cfg.expert_activations == "fp8" and config.quantization != "fp8":
+            logging.getLogger("megajax").warning(
+                "the model config asks for fp8 expert activations, which the MoE kernels take only with fp8 "
+                "expert weights: these experts run the (slower) XLA path; pass --quantization w8a8 or fp8")
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
         emap = None
