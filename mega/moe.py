@@ -160,8 +160,8 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     (32-row tiles up to 16 rows per expert: in three calls as fast as the best 16-row ones
     balanced, and 14-25% faster skewed); above that, 128-row blocks 64 deep (each weight tile
     converted half as often as with 64-row blocks: 19% faster at 256 rows, the largest size
-    timed). MXFP4: the best of each size in
-    one call (16-row tiles 256 deep at 16 rows per expert, 64 x 128 up to 64, then 128 x 64).
+    timed). MXFP4: the best of each size in one call (16-row tiles 256 deep at 16 rows per
+    expert, 64 x 128 up to 64, then 128 x 64).
     W8A8 ("w8a8", and fp8 at the smallest sizes): 32-row tiles up to 16 rows per expert, else
     64 (each accumulator is held twice, the step's product and the sum, so 128-row tiles would
     spill).
