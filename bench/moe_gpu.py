@@ -119,14 +119,19 @@ MXFP4_CONFIGS = [
     (GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)),
     (GemmConfig(128, 64, 128, 4, swap_ab=True), GemmConfig(128, 128, 128, 3, swap_ab=True)),
 ]
-# W8A8 (fp8 weights, fp8 rows with a scale per 128 columns; ``h`` requantised by XLA in the
-# call): both operands straight from shared memory, so no conversion; each accumulator is held
-# twice (the step's product and the sum), which keeps tiles at 64 weight x 64 rows
+# W8A8 (fp8 weights, fp8 rows with a scale per 128 columns): both operands straight from
+# shared memory, so no conversion; each accumulator is held twice (the step's product and the
+# sum). Gate/up tiles 64 wide: ``h`` requantised by XLA in the call; 128 wide (one scale block):
+# requantised in the gate/up epilogue (``fp8_out``)
 W8A8_CONFIGS = [
     (GemmConfig(16, 64, 128, 6, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
     (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
     (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
     (GemmConfig(64, 64, 128, 6, swap_ab=True), GemmConfig(64, 64, 128, 6, swap_ab=True)),
+    (GemmConfig(16, 128, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True)),
+    (GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(32, 128, 128, 6, swap_ab=True), GemmConfig(32, 128, 128, 4, swap_ab=True)),
+    (GemmConfig(64, 128, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
 ]
 # block-scaled weight formats beside bf16: (case suffix, quantiser, bytes per weight, configs)
 QUANTIZED = {
@@ -340,10 +345,12 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
     w8a8 = weights == "w8a8"
     for cu, cd in configs:
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
-        fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
-            (Fp8Rows.from_float if w8a8 else lambda h: h)(
-                grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET)), c, be, cfg=cd,
-            interpret=INTERPRET))
+        fused = w8a8 and cu.block_n == 128   # h quantised in the gate/up epilogue
+        fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
+            (Fp8Rows.from_float if w8a8 and not fused else lambda h: h)(
+                grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be,
+            cfg=cd, interpret=INTERPRET))
+
         # the kernels compute in f16 with quantised weights: f16 rows in (the dispatch's gather
         # would write them so) keep a conversion pass out of the timed call, and h stays f16;
         # W8A8 takes the rows quantised (as the gather would write them)

@@ -96,7 +96,9 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.fp4 import BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order, pow2_ceil
+from pallas_kernels.fp4 import (BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order,
+                                pow2_from_exponent)
+
 
 
 @dataclass(frozen=True)
@@ -216,10 +218,17 @@ class QuantizedWeight(NamedTuple):
         return self._replace(q=jnp.swapaxes(self.q, 1, 2))
 
 
+def _fp8_scale_exponent(amax: jax.Array) -> jax.Array:
+    """``ceil(log2(amax / 448))`` (int32): the exponent of the power-of-two (UE8M0) scale that
+    takes a block's largest magnitude to at most e4m3's 448 = 1.75 * 2^8. From the float's bits,
+    with no division and no ``log2`` (not exact at every power of two), so that a kernel's
+    epilogue computes the same bits as XLA."""
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, 1e-30).astype(jnp.float32), jnp.int32)
+    return ((bits >> 23) & 0xFF) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+
+
 def _fp8_scale(amax: jax.Array) -> jax.Array:
-    """The power-of-two (UE8M0) scale that takes a block's largest magnitude to at most e4m3's 448
-    (from the float's bits: ``log2`` is not exact at every power of two)."""
-    return pow2_ceil(jnp.maximum(amax, 1e-30) / 448)
+    return pow2_from_exponent(_fp8_scale_exponent(amax) + 127)
 
 
 class Fp8Rows(NamedTuple):
@@ -290,11 +299,13 @@ def _num_sms() -> int:
     return device.core_count if device.platform == "gpu" else 3
 
 
-def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None):
+def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConfig, interpret, row_scale=None,
+                    fp8_out: bool = False):
     """``stacks``: tuples of per-operand expert stacks ``[E_s, N, K]`` (bf16, or fp8 as
     ``QuantizedWeight``); expert ids number the stacks' experts consecutively (the routed
     stack, then e.g. the shared expert as one more). ``row_scale [M]`` (fp32) multiplies each
-    output row in the epilogue, before the rounding to the output dtype."""
+    output row in the epilogue, before the rounding to the output dtype. ``fp8_out``: the
+    output is ``Fp8Rows``, quantised in the epilogue (a CTA's tile is one 128-column block)."""
     m, k = lhs.shape
     n = stacks[0][0].shape[1]
     n_ops = len(stacks[0])
@@ -325,8 +336,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise NotImplementedError("warp-specialised tiles need every weight of one kind (fp8 or bf16)")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
+    if fp8_out and (not cfg.swap_ab or ws or bn != 128):
+        raise NotImplementedError("fp8 output (Fp8Rows): swapped tiles, one compute warpgroup, block_n 128 "
+                                  "(a tile's columns are one scale block)")
     swap = cfg.swap_ab
-    out_dtype = jnp.bfloat16 if w8a8 else lhs.dtype
+    out_dtype = jnp.float8_e4m3fn if fp8_out else jnp.bfloat16 if w8a8 else lhs.dtype
     # Quantised weights in every stack: the wgmma runs in f16. An fp8 tile converts with one cvt
     # per pair and one multiply by its block's relative scale (exact for power-of-two scales);
     # the activations are f16 (exact for bf16 values within f16's range); MXFP4 tiles likewise,
@@ -492,16 +506,28 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def store(vals, o_smem, o_gmem, s_smem=None, factors=None):
+    def quantized_rows(out, sc_smem, *_):
+        """The swapped ``[128, rows]`` output tile in e4m3 units of a power-of-two scale per row
+        (``Fp8Rows``; the scales go to ``sc_smem``), rounded to bf16 first as the references
+        round ``h`` before requantising it."""
+        out = out.astype(jnp.bfloat16).astype(jnp.float32)
+        e = _fp8_scale_exponent(jnp.max(jnp.abs(out), axis=0))
+        sc_smem[...] = pow2_from_exponent(e + 127)
+        return out * jax.lax.broadcast_in_dim(pow2_from_exponent(127 - e), out.shape, [1])
+
+    def store(vals, o_smem, o_gmem, s_smem=None, factors=None, fp8_scales=None):
         """The epilogue on the accumulated ``vals`` (``factors``: see ``tile_factors``);
         persistent, the store's wait moves to the next tile's epilogue (the store overlaps the
-        next main loop) and the kernel's end."""
+        next main loop) and the kernel's end. ``fp8_scales``: when the output is fp8, the
+        shared and global refs of the tile's row scales and an f16 staging tile."""
         out = epilogue(*(a if f is None else a * f for a, f in zip(vals, factors or [None] * n_ops)))
         if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
             sc = s_smem[...]
             if interpret is None:  # a vector of the accumulator layout's rows (columns)
                 sc = plgpu.layout_cast(sc, plgpu.Layout.WGMMA.reduce(0 if swap else 1))
             out = out * jax.lax.broadcast_in_dim(sc, out.shape, [1 if swap else 0])
+        if fp8_out:
+            out = quantized_rows(out, *fp8_scales)
         out = out.astype(o_smem.dtype)
         if cfg.persistent:  # the last tile's store has read o_smem
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -514,12 +540,22 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         elif not swap:
             o_smem[...] = out
         elif x_km:  # the interpreter stores no transposed view
-            o_smem[...] = out.T
+            o_smem.at[pl.ds(0, rows)][...] = out.T
+        elif fp8_out:   # 8-bit values have no transposed layout: through f16 (exact for e4m3), in
+            # tiles of 64 rows or more (the WGMMA layout's) of which the first ``rows`` go out
+            staging = fp8_scales[2]
+            transposed(staging.at[pl.ds(0, rows)])[...] = plgpu.layout_cast(out.astype(jnp.float16),
+                                                                             plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            o_smem[...] = staging[...].astype(o_smem.dtype)
+
         else:       # the [cols, rows] accumulator, stored as rows through a transposed view
             transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
         if o_smem.ndim == 2:
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem)
+            if fp8_out:
+                plgpu.copy_smem_to_gmem(*fp8_scales[:2])
         if not cfg.persistent:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -533,8 +569,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         return cfg.tile_of(jax.lax.axis_index("m") * (n // bn) + jax.lax.axis_index("n"), m // rows, n // bn)
 
     def simple_body(block_expert_gmem, lhs_gmem, *refs):
-        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled + w8a8:-1], refs[-1]
+        scale_gmem, w_gmem = (refs[0] if scaled else None), refs[scaled + w8a8:-1 - fp8_out]
         act_gmem = refs[scaled] if w8a8 else None
+        out_gmem, *out_scales_gmem = refs[-1 - fp8_out:]
         mi, ni = grid_tile()
         expert = block_expert_gmem[mi]
 
@@ -616,9 +653,18 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             def finish(vals, s_smem, barrier):
                 if scaled:
                     plgpu.barrier_wait(barrier)
-                pl.run_scoped(lambda o_smem: store(vals, o_smem, out_gmem.at[
-                    pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem, tile_factors(expert, ni, w_gmem)),
-                    plgpu.SMEM((rows, bn), out_dtype))
+
+                def scope(o_smem, *fp8_smem):
+                    store(vals, o_smem, out_gmem.at[pl.ds(mi * rows, rows), pl.ds(ni * bn, bn)], s_smem,
+                          tile_factors(expert, ni, w_gmem),
+                          (fp8_smem[0], out_scales_gmem[0].at[ni, pl.ds(mi * rows, rows)], fp8_smem[1])
+                          if fp8_out else None)
+                o_rows = max(rows, 64) if fp8_out else rows
+                pl.run_scoped(scope, plgpu.SMEM((o_rows, bn), out_dtype),
+                              *((plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((o_rows, bn), jnp.float16))
+                                if fp8_out else ()))
+
+
 
             def scope(accs, s_smem=None, barrier=None):
                 # the row scales land while the main loop runs, in a buffer of their own (the
@@ -718,19 +764,21 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((n // 128, m), jnp.float32))
+        if fp8_out else jax.ShapeDtypeStruct((m, n), out_dtype),
         **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
            else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
-    return kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()),
-                  *((act_scale,) if w8a8 else ()), *flat)
+    out = kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()),
+                 *((act_scale,) if w8a8 else ()), *flat)
+    return Fp8Rows(*out) if fp8_out else out
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "cfg", "interpret", "fp8_out"))
 def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None, row_scale=None,
-                   cfg: GemmConfig = GemmConfig(), interpret=None):
+                   cfg: GemmConfig = GemmConfig(), interpret=None, fp8_out: bool = False):
     """``h[r] = swiglu(x[r] @ w1[e]ᵀ, x[r] @ w3[e]ᵀ) · row_scale[r]`` with
     ``e = block_expert[r // cfg.rows]``: the routing weight multiplies the fp32 activation in
     the epilogue, before its one rounding, as §3.9 orders it (no pass over ``h`` between the
@@ -739,11 +787,15 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None, row_sc
     x ``[M, D]`` bf16 (block-aligned rows), or ``Fp8Rows`` (W8A8: with fp8 weights, swapped
     tiles), w1/w3 ``[E, I, D]`` bf16 or ``QuantizedWeight`` (fp8: one compute warpgroup or
     ``split="n"``) or ``Fp4Weight``; ``shared = (w1 [I, D], w3 [I, D])`` makes expert id ``E``
-    the shared expert. Returns ``[M, I]`` in x's dtype (bf16 for ``Fp8Rows``).
+    the shared expert. Returns ``[M, I]`` in x's dtype (bf16 for ``Fp8Rows``), or with
+    ``fp8_out`` (swapped tiles 128 wide, one warpgroup) as ``Fp8Rows`` quantised in the
+    epilogue, as ``Fp8Rows.from_float`` would quantise the bf16 ``h``, ready for the W8A8
+    down projection with no pass between the launches.
     """
     stacks = ((w1, w3),) + (() if shared is None else (tuple(map(_one_expert, shared)),))
     return _grouped_kernel(x, stacks, block_expert,
-                           lambda g, u: swiglu_f32(g, u, limit), cfg, interpret, row_scale)
+                           lambda g, u: swiglu_f32(g, u, limit), cfg, interpret, row_scale, fp8_out)
+
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))

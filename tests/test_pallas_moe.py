@@ -134,7 +134,9 @@ def test_fp8_rows_rounded_matches_the_stored_form(rng):
 def test_fp8_activations_match_reference(cfg, rng):
     """W8A8: fp8 rows (a scale per row per 128 columns) times fp8 routed and shared experts,
     with routing weights; the references take the dequantised rows, and ``h`` is requantised
-    between the launches as ``mega.moe`` does."""
+    between the launches as ``mega.moe`` does. With 128-wide tiles the gate/up kernel also
+    quantises ``h`` in its epilogue (``fp8_out``): bit for bit ``Fp8Rows.from_float`` of the
+    bf16 ``h`` it writes otherwise, and that goes into the down kernel."""
     e, d, inter, limit = 2, 256, 256, 3.0
     sizes = jnp.asarray([rng.integers(1, 100), rng.integers(1, 60), rng.integers(1, 40)], jnp.int32)
     n = int(sizes.sum())
@@ -147,9 +149,16 @@ def test_fp8_activations_match_reference(cfg, rng):
     row_w = jnp.asarray(rng.uniform(0.1, 2.0, m_pad), jnp.float32)
     h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                        interpret=INTERPRET)
-    h8 = fp8_rows(keys[8], h)
-    out = grouped_matmul(h8, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
     rows = np.asarray(dest)
+    if cfg.block_n == 128:
+        h8 = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
+                            interpret=INTERPRET, fp8_out=True)
+        want = Fp8Rows.from_float(h)
+        np.testing.assert_array_equal(np.asarray(h8.q, np.float32)[rows], np.asarray(want.q, np.float32)[rows])
+        np.testing.assert_array_equal(np.asarray(h8.scale)[:, rows], np.asarray(want.scale)[:, rows])
+    else:
+        h8 = fp8_rows(keys[8], h)
+    out = grouped_matmul(h8, w2, block_expert, shared=shared_down, cfg=cfg, interpret=INTERPRET)
     assert h.dtype == out.dtype == jnp.bfloat16
     for got, want in ((h, grouped_swiglu_reference(x.dequantized(), w1, w3, block_expert, limit=limit,
                                                    rows=cfg.rows, shared=shared_up, row_scale=row_w)),
@@ -281,6 +290,9 @@ def fp8_sds(shape):
     # W8A8: fp8 rows and fp8 weights, both straight from shared memory
     (GemmConfig(32, 64, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True), "w8a8"),
     (GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True), "w8a8"),
+    # W8A8 with h quantised in the gate/up epilogue (128-wide tiles: one scale block)
+    (GemmConfig(16, 128, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True), "w8a8"),
+    (GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
@@ -299,7 +311,9 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
             return Fp8Rows(sds((m, k), jnp.float8_e4m3fn), sds((k // 128, m), jnp.float32))
         return sds((m, k), jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
-    jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up)).trace(
+    fp8_out = fmt == "w8a8" and up.block_n == 128
+    jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up, fp8_out=fp8_out)).trace(
+
         rows(d), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
