@@ -3,8 +3,8 @@
 Each tree (``name=path``: this one, or e.g. an archive of main) runs in its own process, on the
 same data (fixed seeds), the gate/up + down kernels of each listed config, fp8 and MXFP4
 weights with f16 rows, and W8A8 (``w8a8``: fp8 weights, ``Fp8Rows`` in, ``h`` requantised by
-XLA between the kernels, as SGLang's block-fp8 MoE does), at the V4.1-Flash expert shapes of
-``moe_gpu.py``: each row checked against the fp32 reference on the dequantised weights (and
+XLA between the kernels, as SGLang's block-fp8 MoE does, or by 128-wide gate/up tiles' epilogue),
+at the V4.1-Flash expert shapes of ``moe_gpu.py``: each row checked against the fp32 reference on the dequantised weights (and
 rows: W8A8's ``rel_err`` includes ``h``'s fp8 rounding, ``rel_err_h`` is the gate/up kernel's
 alone), then GPU busy time per call (profiler trace over six calls, no host gaps) and each
 kernel's µs.
@@ -25,11 +25,14 @@ CONFIGS = {
     ("mxfp4", 16): [((16, 64, 256, 4), (16, 128, 256, 3)), ((16, 64, 128, 8), (16, 128, 128, 6))],
     ("mxfp4", 64): [((64, 64, 128, 4), (64, 128, 128, 3))],
     ("mxfp4", 256): [((128, 64, 64, 4), (128, 128, 64, 3))],
-    ("w8a8", 16): [((16, 64, 128, 6), (16, 128, 128, 4)), ((32, 64, 128, 4), (32, 128, 128, 3)),
-                   ((16, 64, 128, 8), (16, 64, 128, 8))],
-    ("w8a8", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 6), (64, 64, 128, 6))],
-    # (W8A8 holds each accumulator twice, the step's product and the sum: 64 x 64 per operand)
-    ("w8a8", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 6), (64, 64, 128, 6))],
+    # (W8A8 holds each accumulator twice, the step's product and the sum; gate/up tiles 128 wide
+    # are one scale block of h, which their epilogue then quantises: ``fp8_out``)
+    ("w8a8", 16): [((32, 64, 128, 4), (32, 128, 128, 3)), ((32, 128, 128, 4), (32, 128, 128, 3)),
+                   ((16, 128, 128, 4), (16, 128, 128, 4)), ((32, 128, 128, 3), (32, 128, 128, 3))],
+    ("w8a8", 64): [((64, 64, 128, 6), (64, 64, 128, 6)), ((32, 128, 128, 4), (32, 128, 128, 3)),
+                   ((64, 128, 128, 3), (64, 128, 128, 3)), ((64, 128, 128, 2), (64, 64, 128, 6))],
+    ("w8a8", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4), (32, 128, 128, 3)),
+                    ((64, 128, 128, 3), (64, 128, 128, 3)), ((64, 128, 128, 2), (64, 64, 128, 6))],
 }
 
 
@@ -67,9 +70,11 @@ def one_tree(formats: list[str]) -> list[dict]:
             per = -(-t // cu.rows) * cu.rows       # rows per expert, block aligned (balanced)
             x_al = jnp.pad(x.reshape(E, t, D), ((0, 0), (0, per - t), (0, 0))).reshape(E * per, D)
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), per // cu.rows)
+            fused = fmt == "w8a8" and cu.block_n == 128
             if fmt == "w8a8":
-                fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(w8a8_rows.from_float(
-                    grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu)), c, be, cfg=cd))
+                fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
+                    grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, fp8_out=True) if fused
+                    else w8a8_rows.from_float(grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu)), c, be, cfg=cd))
                 args = (w8a8_rows.from_float(x_al), *qs, be)
             else:
                 fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
@@ -81,9 +86,9 @@ def one_tree(formats: list[str]) -> list[dict]:
                     return np.asarray(y, np.float32).reshape(E, per, n)[:, :t].reshape(E * t, n)
                 y = valid(fn(*args), D)
                 row["rel_err"] = rel_err(y, ref)
-                if fmt == "w8a8":
-                    h = grouped_swiglu(args[0], qs[0], qs[1], be, limit=LIMIT, cfg=cu)
-                    row["rel_err_h"] = rel_err(valid(h, I), h_ref.reshape(E * t, I))
+                if fmt == "w8a8":   # (fused: h after its fp8 rounding)
+                    h = grouped_swiglu(args[0], qs[0], qs[1], be, limit=LIMIT, cfg=cu, fp8_out=fused)
+                    row["rel_err_h"] = rel_err(valid(h.dequantized() if fused else h, I), h_ref.reshape(E * t, I))
                 row["gpu"] = gpu_timeline(lambda: jax.block_until_ready([fn(*args) for _ in range(6)]), 6)
                 row["kernels_us"] = [us for _, us in gpu_kernels(fn, *args)]
             except Exception as e:  # one failing config must not lose the others
@@ -102,7 +107,8 @@ def main():
         root = os.path.abspath(path)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "bench")])}
         r = subprocess.run([sys.executable, __file__, "--one", formats], capture_output=True, text=True, env=env,
-                           timeout=280)
+                           timeout=540)
+
         got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
         if not got:
             got = [{"error": r.stderr[-2000:]}]
