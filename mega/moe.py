@@ -13,8 +13,10 @@ kernels convert the tiles in registers, the reference dequantises them first.
 ``MoeSpec.fp8_activations`` (W8A8, SGLang's block-fp8 MoE) also quantises the rows going into
 each expert GEMM to e4m3 with a power-of-two scale per 128 columns (``Fp8Rows``): the kernels
 then run fp8 x fp8 wgmmas with fp8 weights, and the reference (any other weights) rounds the
-rows the same way. The gathered rows are quantised, and ``h`` requantised, by XLA around
-the two launches.
+rows the same way. XLA quantises the gathered rows before the first launch; ``h`` is
+requantised in the gate/up kernel's epilogue up to 16 rows per expert, else by XLA between
+the launches.
+
 
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
@@ -164,9 +166,13 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     expert, 64 x 128 up to 64, then 128 x 64).
     W8A8 ("w8a8", and fp8 at the smallest sizes): 32-row tiles up to 16 rows per expert, else
     64 (each accumulator is held twice, the step's product and the sum, so 128-row tiles would
-    spill).
+    spill). Up to 16 rows per expert W8A8's gate/up tiles are 128 wide, one scale block of
+    ``h``, which their epilogue quantises: 5-9% less GPU time than 64-wide tiles and XLA's
+    requantisation; at 64 and 256 rows per expert 9-23% more (bench/RESULTS.md).
     """
-    if fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
+    if fmt == "w8a8" and n_rows <= 16 * n_experts:
+        cfgs = GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)
+    elif fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
         rows = 32 if n_rows <= 16 * n_experts else 64
         cfgs = GemmConfig(rows, 64, 128, 4, swap_ab=True), GemmConfig(rows, 128, 128, 3, swap_ab=True)
     elif fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
@@ -206,7 +212,8 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     routed grid leaves idle).
     Returns the block-aligned output rows and the aligned row of each grouped row (routed
     rows, then shared rows), so the combine gathers each row only once. ``fp8_rows``: W8A8,
-    the rows and ``h`` go in as ``Fp8Rows``.
+    the rows and ``h`` go in as ``Fp8Rows``; ``h`` quantised by the gate/up kernel's epilogue
+    when its tiles are 128 wide (one scale block), else by XLA between the launches.
     """
     n_experts = p["w1"].shape[0]
     shared = None
@@ -224,10 +231,11 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
     rows_in = Fp8Rows.from_float if fp8_rows else (lambda rows: rows)
+    fp8_out = fp8_rows and up_cfg.block_n == 128
     h = grouped_swiglu(rows_in(x_al), p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
-                       interpret=interp)
-    return grouped_matmul(rows_in(h), p["w2"], block_expert, cfg=down_cfg, interpret=interp,
+                       interpret=interp, fp8_out=fp8_out)
+    return grouped_matmul(h if fp8_out else rows_in(h), p["w2"], block_expert, cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 
 

@@ -15,11 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# A fresh persistent compilation cache per test session, for the CLI subprocesses: tests never
-# read executables that other runs or other JAX builds left in ~/.cache. This long-lived
-# process keeps its executables in memory only (no serialisation work).
-os.environ["MEGAJAX_JAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-jax-cache-")
-jax.config.update("jax_enable_compilation_cache", False)
+# A fresh persistent compilation cache per test session: tests never read executables that
+# other runs or other JAX builds left in ~/.cache, and the many engines the tests build (each
+# jitting its own step closures) share the executables of identical programs.
+# (set before pytest-xdist starts its workers, which inherit it and so share the directory)
+os.environ["MEGAJAX_JAX_CACHE"] = os.environ.setdefault("MEGAJAX_TEST_JAX_CACHE",
+                                                        tempfile.mkdtemp(prefix="megajax-jax-cache-"))
+jax.config.update("jax_compilation_cache_dir", os.environ["MEGAJAX_JAX_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 GOLDEN = ROOT.parent / "shared" / "golden"
 

@@ -46,12 +46,15 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
         seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
         return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
 
-    def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None):
+    def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None,
+                      fp8_out=False):
         seen["moe"] += 1
         seen["expert_weights"] |= {"w8a8" if isinstance(x, Fp8Rows) else "fp8" if isinstance(w, QuantizedWeight)
                                    else "mxfp4" if isinstance(w, Fp4Weight) else "none" for w in (w1, w3, *(shared or ()))}
-        return grouped_swiglu_reference(rows(x), w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
-                                        row_scale=row_scale)
+        h = grouped_swiglu_reference(rows(x), w1, w3, block_expert, limit=limit, rows=cfg.rows, shared=shared,
+                                     row_scale=row_scale)
+        return Fp8Rows.from_float(h) if fp8_out else h
+
 
     def matmul_kernel(h, w2, block_expert, *, cfg, shared=None, interpret=None):
         return grouped_matmul_reference(rows(h), w2, block_expert, rows=cfg.rows, shared=shared)

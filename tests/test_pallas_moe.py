@@ -226,7 +226,9 @@ def test_aligned_layout_has_no_loop():
 def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8):
     """The full MegaMoE op (routing, dispatch, kernels, combine, shared expert) through the
     interpreted kernels equals the reference path on the same bf16 inputs; W8A8 (fp8 experts,
-    fp8 rows), both paths round the rows alike, and that rounding shows."""
+    fp8 rows), both paths round the rows alike (``h`` too: here in the gate/up kernel's
+    epilogue), and that rounding shows."""
+
     t, d, inter, e = 19, 256, 256, 4
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
     bf = jnp.bfloat16
@@ -249,10 +251,10 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8):
         assert rel(np.asarray(unrounded, np.float32), np.asarray(want, np.float32)) > 5e-3
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
     calls = []
-    monkeypatch.setattr(moe_module, "grouped_swiglu",
-                        lambda *a, **k: calls.append(k["shared"]) or grouped_swiglu(*a, **k))
+    monkeypatch.setattr(moe_module, "grouped_swiglu", lambda *a, **k: calls.append(k) or grouped_swiglu(*a, **k))
     got = moe(x, p, spec)
-    assert calls and calls[0] is not None  # the kernels ran, with the shared expert fused
+    assert calls and calls[0]["shared"] is not None  # the kernels ran, with the shared expert fused
+    assert calls[0]["fp8_out"] == w8a8   # (decode sizes: W8A8's h quantised in the gate/up epilogue)
     assert np.isfinite(np.asarray(got, np.float32)).all()
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
