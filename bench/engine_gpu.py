@@ -9,7 +9,9 @@ weights, bf16. Modes, each in its own process (the kernel choice is made when a 
 * ``reference``: ``MEGAJAX_KERNELS=reference``, every mega operator on its XLA reference;
 * ``pallas``: ``MEGAJAX_KERNELS=pallas``, MegaAttention and MegaMoE on their kernels;
 * ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the window ring stored in FP8);
-* ``fp32``: the reference with the same weights in fp32: the ground truth of the checks.
+* ``fp32``: the reference with the same weights in fp32: the ground truth of the checks;
+* (not by default) ``pallas_fp8w``, ``pallas_mxfp4``, ``pallas_w8a8``: ``pallas`` with the
+  experts quantised at load (``EngineConfig.quantization``: fp8 or MXFP4 weights, or W8A8).
 
 One workload, so that a mode compiles two step shapes only (XLA's GEMM autotuning makes a
 step of this model take tens of seconds to compile on the H200): 32 prompts x 128 tokens
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ROOT, gpu_state, run_info, traced_kernels, write  # noqa: E402
 
 MODES = ("reference", "pallas", "pallas_fp8", "fp32")
+QUANTIZED_MODES = {"pallas_fp8w": "fp8", "pallas_mxfp4": "mxfp4", "pallas_w8a8": "w8a8"}
 
 
 def config(smoke: bool):
@@ -92,7 +95,8 @@ def run_mode(mode: str, smoke: bool) -> None:
     t0 = time.perf_counter()
     params = init_params(cfg, seed=0, dtype=jnp.float32 if mode == "fp32" else jnp.bfloat16)
     engine = Engine(params, cfg, EngineConfig(max_running=32, max_len=256, prefill_budget=4096, prefix_cache=False,
-                                              kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto"))
+                                              kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto",
+                                              quantization=QUANTIZED_MODES.get(mode, "none")))
     part("setup", {"kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend(),
                    "init_s": time.perf_counter() - t0})
     batch = prompts(smoke)
@@ -175,6 +179,10 @@ def main():
     if args.mode:
         run_mode(args.mode, args.smoke)
         return
+    unknown = set(args.modes.split(",")) - {*MODES, *QUANTIZED_MODES}
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}: the modes are {', '.join([*MODES, *QUANTIZED_MODES])}")
+
     results, errors = {}, {}
     state_start = gpu_state()   # (run_info, which starts JAX here, waits: the children need the GPU's memory)
     for mode in args.modes.split(","):
