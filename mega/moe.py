@@ -17,7 +17,6 @@ rows the same way. XLA quantises the gathered rows before the first launch; ``h`
 requantised in the gate/up kernel's epilogue up to 16 rows per expert, else by XLA between
 the launches.
 
-
 Routing (§3.9): ``sqrt(softplus(W x / temp))`` in fp32, top-k on the biased scores, weights
 from the unbiased scores normalised over the chosen k (``+1e-20``) and scaled. The routing
 weight multiplies the SwiGLU activation before the down projection (it matters once h is

@@ -100,7 +100,6 @@ from pallas_kernels.fp4 import (BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f1
                                 pow2_from_exponent)
 
 
-
 @dataclass(frozen=True)
 class GemmConfig:
     """A CTA's tile and pipeline; ``compute_wgs=2`` adds a TMA producer warpgroup and two
@@ -506,7 +505,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def quantized_rows(out, sc_smem, *_):
+    def quantized_rows(out, sc_smem):
         """The swapped ``[128, rows]`` output tile in e4m3 units of a power-of-two scale per row
         (``Fp8Rows``; the scales go to ``sc_smem``), rounded to bf16 first as the references
         round ``h`` before requantising it."""
@@ -515,10 +514,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         sc_smem[...] = pow2_from_exponent(e + 127)
         return out * jax.lax.broadcast_in_dim(pow2_from_exponent(127 - e), out.shape, [1])
 
-    def store(vals, o_smem, o_gmem, s_smem=None, factors=None, fp8_scales=None):
+    def store(vals, o_smem, o_gmem, s_smem=None, factors=None, fp8_refs=None):
         """The epilogue on the accumulated ``vals`` (``factors``: see ``tile_factors``);
         persistent, the store's wait moves to the next tile's epilogue (the store overlaps the
-        next main loop) and the kernel's end. ``fp8_scales``: when the output is fp8, the
+        next main loop) and the kernel's end. ``fp8_refs``: when the output is fp8, the
         shared and global refs of the tile's row scales and an f16 staging tile."""
         out = epilogue(*(a if f is None else a * f for a, f in zip(vals, factors or [None] * n_ops)))
         if s_smem is not None:  # this tile's row scales: one per row, per column when swapped
@@ -527,7 +526,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 sc = plgpu.layout_cast(sc, plgpu.Layout.WGMMA.reduce(0 if swap else 1))
             out = out * jax.lax.broadcast_in_dim(sc, out.shape, [1 if swap else 0])
         if fp8_out:
-            out = quantized_rows(out, *fp8_scales)
+            out = quantized_rows(out, fp8_refs[0])
         out = out.astype(o_smem.dtype)
         if cfg.persistent:  # the last tile's store has read o_smem
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -543,19 +542,18 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             o_smem.at[pl.ds(0, rows)][...] = out.T
         elif fp8_out:   # 8-bit values have no transposed layout: through f16 (exact for e4m3), in
             # tiles of 64 rows or more (the WGMMA layout's) of which the first ``rows`` go out
-            staging = fp8_scales[2]
+            staging = fp8_refs[2]
             transposed(staging.at[pl.ds(0, rows)])[...] = plgpu.layout_cast(out.astype(jnp.float16),
                                                                              plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
             o_smem[...] = staging[...].astype(o_smem.dtype)
-
         else:       # the [cols, rows] accumulator, stored as rows through a transposed view
             transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
         if o_smem.ndim == 2:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem)
             if fp8_out:
-                plgpu.copy_smem_to_gmem(*fp8_scales[:2])
+                plgpu.copy_smem_to_gmem(*fp8_refs[:2])
         if not cfg.persistent:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -663,8 +661,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 pl.run_scoped(scope, plgpu.SMEM((o_rows, bn), out_dtype),
                               *((plgpu.SMEM((rows,), jnp.float32), plgpu.SMEM((o_rows, bn), jnp.float16))
                                 if fp8_out else ()))
-
-
 
             def scope(accs, s_smem=None, barrier=None):
                 # the row scales land while the main loop runs, in a buffer of their own (the
