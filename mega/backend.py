@@ -16,12 +16,18 @@ import jax
 MODES = ("auto", "pallas", "reference", "interpret")
 
 
+def on_gpu() -> bool:
+    """Whether programs traced now run on a GPU. There XLA runs a while loop from the host, one
+    launch at a time outside the step's CUDA graphs, so the model unrolls its loops."""
+    return jax.default_backend() == "gpu"
+
+
 def mode() -> str:
     m = os.environ.get("MEGAJAX_KERNELS", "auto")
     if m not in MODES:
         raise ValueError(f"MEGAJAX_KERNELS={m!r}; expected one of {MODES}")
     if m == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if on_gpu() else "reference"
     return m
 
 

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mega import backend
+
 GROUP = 128  # entries per group in top_k's first level
 
 
@@ -57,7 +59,7 @@ def top_k(x: jax.Array, k: int, grouped: bool | None = None) -> tuple[jax.Array,
     if not 0 <= k <= n:
         raise ValueError(f"k must be in 0..{n}, got {k}")
     if grouped is None:
-        grouped = jax.default_backend() == "gpu"
+        grouped = backend.on_gpu()
     # (n <= 2 k GROUP: the candidates would be most of the row; other dtypes: no exact f32 key)
     if (not grouped or k == 0 or x.size == 0 or n <= 2 * k * GROUP
             or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):

@@ -126,8 +126,9 @@ def test_step_input_travels_as_one_buffer():
 
 def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
     """No while/scan in the step programs (prefill, decode, replay) of the code that both kernel
-    modes share (model, sampler; traced here on the reference path): on the GPU XLA runs a loop
-    from the host, one launch at a time outside the step's CUDA graphs, which it splits.
+    modes share (model, sampler; traced here on the reference path, as for the GPU): on the GPU
+    XLA runs a loop from the host, one launch at a time outside the step's CUDA graphs, which it
+    splits. (Elsewhere the mHC Sinkhorn iterations stay a loop: ``backend.on_gpu``.)
     (mega.moe's Pallas dispatch: test_pallas_moe; conds are fine: the command buffers take them.)"""
     import functools
 
@@ -135,6 +136,7 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
     from jax.extend import core as jcore
 
     import serve.runner as runner
+    from mega import backend
 
     seen, run_step = {}, runner.run_step
 
@@ -157,6 +159,9 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
         engine.add_request(p, {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "seed": 1})
     engine.run_until_idle()
     assert len({replay for _, replay in seen}) > 1      # replay and plain steps were both traced
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)  # the programs as traced for the GPU
+    monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
+    jax.clear_caches()   # (retraced, not the CPU's traces)
     for avals, kw in seen.values():
         found = list(loops(jax.make_jaxpr(functools.partial(run_step, **kw))(*avals).jaxpr))
         assert not found, found
