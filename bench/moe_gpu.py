@@ -350,7 +350,6 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
             (Fp8Rows.from_float if w8a8 and not fused else lambda h: h)(
                 grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be,
             cfg=cd, interpret=INTERPRET))
-
         # the kernels compute in f16 with quantised weights: f16 rows in (the dispatch's gather
         # would write them so) keep a conversion pass out of the timed call, and h stays f16;
         # W8A8 takes the rows quantised (as the gather would write them)

@@ -49,10 +49,10 @@ def hc_mix(residual: jnp.ndarray, site: dict, *, eps: float, hc_eps: float, iter
     def sinkhorn(_, c):
         c = c / (c.sum(-1, keepdims=True) + hc_eps)
         return c / (c.sum(-2, keepdims=True) + hc_eps)
-    if backend.on_gpu():   # unrolled (``backend.on_gpu``)
+    if backend.on_gpu():   # unrolled: no loops in the GPU's programs (``backend.on_gpu``)
         for i in range(iters - 1):
             comb = sinkhorn(i, comb)
-    else:   # unrolled, the iterations were a third of a small model's optimised HLO and CPU compile time
+    else:   # a loop: unrolled, the iterations were a third of a small model's CPU compile time
         comb = jax.lax.fori_loop(0, iters - 1, sinkhorn, comb)
     return HcMix(pre, post, comb)
 

@@ -18,9 +18,10 @@ sys.path.insert(0, str(ROOT))
 # A fresh persistent compilation cache per test session: tests never read executables that
 # other runs or other JAX builds left in ~/.cache, and the many engines the tests build (each
 # jitting its own step closures) share the executables of identical programs.
-# (set before pytest-xdist starts its workers, which inherit it and so share the directory)
-os.environ["MEGAJAX_JAX_CACHE"] = os.environ.setdefault("MEGAJAX_TEST_JAX_CACHE",
-                                                        tempfile.mkdtemp(prefix="megajax-jax-cache-"))
+# (made before pytest-xdist starts its workers, which inherit it and so share the directory)
+if "MEGAJAX_TEST_JAX_CACHE" not in os.environ:
+    os.environ["MEGAJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-jax-cache-")
+os.environ["MEGAJAX_JAX_CACHE"] = os.environ["MEGAJAX_TEST_JAX_CACHE"]
 jax.config.update("jax_compilation_cache_dir", os.environ["MEGAJAX_JAX_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
