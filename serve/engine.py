@@ -34,7 +34,7 @@ from model.params import with_quantized_experts
 from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
-from serve.sampling import SamplingArrays, SamplingParams, min_tokens_banned
+from serve.sampling import SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 
 
@@ -222,7 +222,7 @@ class Engine:
         chunks, out = self._pending.pop(0)
         self.stats.host_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        out = [np.asarray(a) for a in out]
+        out = SampleOutput.unpacked(np.asarray(out))
         t2 = time.perf_counter()
         self.stats.wait_s += t2 - t1
         with self._lock:
@@ -298,8 +298,7 @@ class Engine:
                         reset)
         self.stats.steps += 1
         self.stats.tokens += n_tok
-        out = self.runner.step(inp, replay)
-        return (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        return self.runner.step(inp, replay)
 
     def _process(self, chunks: list[Chunk], out) -> None:
         tokens, logprobs, top_ids, top_lps = out

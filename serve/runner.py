@@ -10,7 +10,8 @@ compilations is bounded; ``compile_count`` counts traces to prove it.
 The host's per-step arrays travel as one int32 buffer (``pack_input``), unpacked inside the
 step: each host array passed to a jitted call is its own host→device transfer, and with 22
 of them the host's time per decode step (1.66 ms) held the GPU idle between steps; one
-buffer brought it to 0.77 ms (H200, bench/RESULTS.md).
+buffer brought it to 0.77 ms (H200, bench/RESULTS.md). The samples come back the same way,
+as one array (``SampleOutput.packed``): one device-to-host copy a step instead of four.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def run_step(params, state: DeviceState, buffer: jax.Array, ban: jax.Array, engr
     live = jnp.where(inp.logit_slots >= 0, inp.logit_slots, m.batch_size)
     counts = counts.at[live, out.tokens].add(1, mode="drop")
     last = state.last_token.at[live].set(out.tokens, mode="drop")
-    return DeviceState(m, counts, prompt_mask, last), out
+    return DeviceState(m, counts, prompt_mask, last), out.packed()
 
 
 class ModelRunner:
@@ -210,8 +211,9 @@ class ModelRunner:
     def _ratios(self) -> list[int]:
         return [self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids]
 
-    def step(self, inp: StepInput, replay_rows: int | None) -> SampleOutput:
-        """Dispatch one step; returns device arrays without waiting for them."""
+    def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
+        """Dispatch one step; returns its samples as ``SampleOutput.packed`` rows on the device,
+        without waiting for them."""
         replay = None if replay_rows is None else (self.replay_keep, replay_rows)
         buffer, ban, layout = pack_input(inp)
         self.state, out = run_step(self.params, self.state, buffer, ban, self.engram_map, layout=layout,

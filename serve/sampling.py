@@ -223,6 +223,23 @@ class SampleOutput(NamedTuple):
     top_ids: jax.Array  # [B, num_top] i32, most likely first (raw logits)
     top_logprobs: jax.Array  # [B, num_top] f32
 
+    def packed(self) -> jax.Array:
+        """The four arrays as one int32 ``[B, 2 + 2 num_top]`` (floats bitcast), so that the host
+        fetches a step's samples in one device-to-host copy, not four."""
+        def bits(a):
+            return lax.bitcast_convert_type(a, jnp.int32)
+        return jnp.concatenate([self.tokens[:, None], bits(self.logprobs)[:, None], self.top_ids,
+                                bits(self.top_logprobs)], axis=1)
+
+    @staticmethod
+    def unpacked(rows: np.ndarray) -> "SampleOutput":
+        """``packed()``'s rows, fetched to the host, as numpy arrays."""
+        k = (rows.shape[1] - 2) // 2
+
+        def floats(a):
+            return np.ascontiguousarray(a).view(np.float32)
+        return SampleOutput(rows[:, 0], floats(rows[:, 1]), rows[:, 2:2 + k], floats(rows[:, 2 + k:]))
+
 
 def apply_penalties(logits: jax.Array, params: SamplingArrays, counts: jax.Array, prompt_mask: jax.Array,
                     ban: jax.Array | None = None) -> jax.Array:

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serve.sampling import (InvalidSamplingParam, SamplingArrays, SamplingParams, apply_penalties, min_tokens_banned,
-                            request_seed, sample, truncation_mask)
+from serve.sampling import (InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, apply_penalties,
+                            min_tokens_banned, request_seed, sample, truncation_mask)
 
 P4 = np.array([0.5, 0.25, 0.15, 0.1])  # a tiny vocabulary with a known distribution
 L4 = np.log(P4).astype(np.float32)
@@ -330,6 +330,24 @@ def test_logprobs_are_raw_log_softmax(num_top):
     want_ids = np.argsort(-ref, axis=-1, kind="stable")[:, :num_top]
     np.testing.assert_array_equal(out.top_ids, want_ids)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, want_ids, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_packed_samples_round_trip_bit_for_bit(num_top):
+    """The step returns its samples as one int32 array; the host's unpacking gives back the same bits."""
+    rng = np.random.default_rng(num_top)
+    b = 5
+    lp = rng.normal(size=(b, 1 + num_top)).astype(np.float32)
+    lp.flat[[0, -1]] = [-np.inf, np.nan]   # a banned token's log-prob, and a NaN's bits
+    out = SampleOutput(jnp.asarray(rng.integers(0, 129280, b), jnp.int32), jnp.asarray(lp[:, 0]),
+                       jnp.asarray(rng.integers(0, 129280, (b, num_top)), jnp.int32), jnp.asarray(lp[:, 1:]))
+    rows = np.asarray(jax.jit(SampleOutput.packed)(out))
+    assert rows.dtype == np.int32 and rows.shape == (b, 2 + 2 * num_top)
+    back = SampleOutput.unpacked(rows)
+    for got, want in zip(back, out):
+        want = np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
 def test_ban_is_respected():
