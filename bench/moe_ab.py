@@ -9,7 +9,7 @@ rows: W8A8's ``rel_err`` includes ``h``'s fp8 rounding, ``rel_err_h`` is the gat
 alone), then GPU busy time per call (profiler trace over six calls, no host gaps) and each
 kernel's µs.
 
-    OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8] main=../.probe/main new=.   # $OUT/moe_ab.json
+    OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8,w8a8-ws] main=../.probe/main new=.   # $OUT/moe_ab.json
 """
 import json
 import os
@@ -33,6 +33,13 @@ CONFIGS = {
                    ((64, 128, 128, 3), (64, 128, 128, 3)), ((64, 128, 128, 2), (64, 64, 128, 6))],
     ("w8a8", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4), (32, 128, 128, 3)),
                     ((64, 128, 128, 3), (64, 128, 128, 3)), ((64, 128, 128, 2), (64, 64, 128, 6))],
+    # warp specialised (two compute warpgroups of 64 weight rows each, the rows shared): 128-wide
+    # tiles without the register pressure; h requantised by XLA
+    ("w8a8-ws", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4, 2, "n"), (32, 128, 128, 4, 2, "n")),
+                      ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n"))],
+    ("w8a8-ws", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n")),
+                       ((64, 128, 128, 3, 2, "n"), (64, 128, 128, 4, 2, "n"))],
+    ("w8a8-ws", 1024): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n"))],
 }
 
 
@@ -52,8 +59,9 @@ def one_tree(formats: list[str]) -> list[dict]:
     w2 = jax.random.normal(keys[2], (E, D, I), jnp.bfloat16) * I ** -0.5
     quantizers = {"fp8": QuantizedWeight.from_float, "mxfp4": Fp4Weight.from_float, "w8a8": QuantizedWeight.from_float}
     rows = []
-    for (fmt, t), pairs in CONFIGS.items():
-        if fmt not in formats or (fmt == "w8a8" and w8a8_rows is None):
+    for (group, t), pairs in CONFIGS.items():
+        fmt = group.split("-")[0]   # ("w8a8-ws": W8A8's warp-specialised configs)
+        if group not in formats or (fmt == "w8a8" and w8a8_rows is None):
             continue
         qs = [quantizers[fmt](w) for w in (w1, w3, w2)]
         x = jax.random.normal(jax.random.fold_in(keys[3], t), (E * t, D), jnp.bfloat16)
@@ -70,7 +78,7 @@ def one_tree(formats: list[str]) -> list[dict]:
             per = -(-t // cu.rows) * cu.rows       # rows per expert, block aligned (balanced)
             x_al = jnp.pad(x.reshape(E, t, D), ((0, 0), (0, per - t), (0, 0))).reshape(E * per, D)
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), per // cu.rows)
-            fused = fmt == "w8a8" and cu.block_n == 128
+            fused = fmt == "w8a8" and cu.block_n == 128 and cu.compute_wgs == 1
             if fmt == "w8a8":
                 fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
                     grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, fp8_out=True) if fused
@@ -80,7 +88,7 @@ def one_tree(formats: list[str]) -> list[dict]:
                 fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd: grouped_matmul(
                     grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu), c, be, cfg=cd))
                 args = (x_al.astype(jnp.float16), *qs, be)
-            row = {"format": fmt, "T": t, "up": up, "down": down}
+            row = {"format": group, "T": t, "up": up, "down": down}
             try:
                 def valid(y, n):
                     return np.asarray(y, np.float32).reshape(E, per, n)[:, :t].reshape(E * t, n)

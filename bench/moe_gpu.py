@@ -132,6 +132,9 @@ W8A8_CONFIGS = [
     (GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)),
     (GemmConfig(32, 128, 128, 6, swap_ab=True), GemmConfig(32, 128, 128, 4, swap_ab=True)),
     (GemmConfig(64, 128, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
+    # warp specialised: two compute warpgroups of 64 weight rows each (h requantised by XLA)
+    (GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True)),
+    (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True)),
 ]
 # block-scaled weight formats beside bf16: (case suffix, quantiser, bytes per weight, configs)
 QUANTIZED = {
@@ -345,7 +348,7 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
     w8a8 = weights == "w8a8"
     for cu, cd in configs:
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
-        fused = w8a8 and cu.block_n == 128   # h quantised in the gate/up epilogue
+        fused = w8a8 and cu.block_n == 128 and cu.compute_wgs == 1   # h quantised in the gate/up epilogue
         fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
             (Fp8Rows.from_float if w8a8 and not fused else lambda h: h)(
                 grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be,

@@ -59,7 +59,10 @@ fp8 in shared memory and nothing is converted. Swapped, one compute warpgroup: e
 wgmmas go to fresh accumulators and are awaited; their product, times the rows' scales for
 that 128-column block (loaded once per CTA) and the weight block's relative scale, adds into
 fp32 sums carried through the pipeline (DeepGEMM's promotion). Both the sums and the step's
-product are live, so tiles stay small (64 weight rows x 64 rows, or 128 x 32). The output is
+product are live, so one warpgroup's tiles stay small (64 weight rows x 64 rows, or 128 x 32).
+Warp specialised (``split="n"``), each of two compute warpgroups promotes its own 64 weight rows
+of a 128-wide tile against the shared rows, so one's scaling overlaps the other's wgmmas, as in
+DeepGEMM (its own copy of the rows' scales; not yet timed on the GPU). The output is
 bf16, or, with ``fp8_out`` and 128-wide tiles (one scale block of ``h``), ``Fp8Rows``
 quantised in the epilogue: a row's amax across the warpgroup, the scale from its bits, e4m3
 stored through an f16 staging tile (8-bit values have no transposed register layout). On the
@@ -329,10 +332,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     quantized = fp4 or any(isinstance(w, QuantizedWeight) for w in weights)
     ws = cfg.compute_wgs > 1
     w8a8 = isinstance(lhs, Fp8Rows)
-    if w8a8 and (not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab or ws
-                 or 128 % bk):
+    if w8a8 and (not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab or 128 % bk):
         raise NotImplementedError("fp8 activations (Fp8Rows): fp8 weights in every stack, swapped tiles "
-                                  "(swap_ab), one compute warpgroup, block_k dividing 128")
+                                  "(swap_ab), block_k dividing 128")
     if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     if ws and len({w.dtype if not isinstance(w, QuantizedWeight) else "fp8" for w in weights}) > 1:
@@ -510,6 +512,27 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
+    def w8a8_products(x_smem, w_smem):
+        """W8A8: one step's wgmmas into fresh accumulators, awaited; their values."""
+        def run(*parts):
+            mma(parts, x_smem, w_smem)
+            plgpu.wgmma_wait(0)
+            return [p[...] for p in parts]
+        return pl.run_scoped(run, *acc_shapes)
+
+    def w8a8_promoted(sums, parts, row_scales, w_scales, block):
+        """W8A8: the ``sums`` plus a step's products times their rows' scales for this
+        128-column ``block`` (a ``[K / 128, rows]`` shared-memory ref) and each weight's
+        relative block scale (``w_scales``), as DeepGEMM's promotion does."""
+        per_row = (row_scales[block] if interpret is not None else
+                   plgpu.load(row_scales.at[block], (), layout=plgpu.Layout.WGMMA.reduce(0)))
+        return tuple(acc + part * jax.lax.broadcast_in_dim(per_row * w_scales[j, block], part.shape, [1])
+                     for j, (acc, part) in enumerate(zip(sums, parts)))
+
+    def w8a8_zeros():
+        zero = jnp.zeros((bc, rows), jnp.float32)
+        return (zero if interpret is not None else plgpu.layout_cast(zero, plgpu.Layout.WGMMA),) * n_ops
+
     def quantized_rows(out, sc_smem):
         """The swapped ``[128, rows]`` output tile in e4m3 units of a power-of-two scale per row
         (``Fp8Rows``; the scales go to ``sc_smem``), rounded to bf16 first as the references
@@ -593,22 +616,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                 def step(idx, x, *rest):
                     *w_smem, sums = rest
-
-                    def products(*parts):
-                        mma(parts, x, w_smem)
-                        plgpu.wgmma_wait(0)
-                        return [p[...] for p in parts]
-                    block = idx[0] * bk // 128
-                    per_row = (row_scales[block] if interpret is not None else
-                               plgpu.load(row_scales.at[block], (), layout=plgpu.Layout.WGMMA.reduce(0)))
-                    return tuple(acc + part * jax.lax.broadcast_in_dim(per_row * w_scales[j, block], part.shape, [1])
-                                 for j, (acc, part) in enumerate(zip(sums, pl.run_scoped(products, *acc_shapes))))
-                zero = jnp.zeros((bc, rows), jnp.float32)
-                if interpret is None:
-                    zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+                    return w8a8_promoted(sums, w8a8_products(x, w_smem), row_scales, w_scales, idx[0] * bk // 128)
                 return plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
                                            max_concurrent_steps=cfg.stages,
-                                           init_carry=(zero,) * n_ops)(lhs_gmem, *w)
+                                           init_carry=w8a8_zeros())(lhs_gmem, *w)
             return pl.run_scoped(body, plgpu.SMEM((n_q, _scale_row(k // 128)), jnp.float32),
                                  plgpu.SMEM((k // 128, rows), jnp.float32),
                                  plgpu.Barrier(num_arrivals=1, num_barriers=n_q + 1))
@@ -687,7 +698,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 with_accs(scope)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
-        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled:-1], refs[-1]
+        scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled + w8a8:-1], refs[-1]
+        act_gmem = refs[scaled] if w8a8 else None
         wg = jax.lax.axis_index("wg")
 
         def pipeline(step, context, mi, ni):
@@ -714,13 +726,16 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                            fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(k // 128)), jnp.float32),
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max),
                                 # the dequantised tiles, unless they go to the wgmma from registers
-                                *(() if a_in_registers else (plgpu.SMEM(
+                                *(() if a_in_registers or w8a8 else (plgpu.SMEM(
                                     (cfg.compute_wgs, n_q_max, *((bk, bc) if kn else (bc, bk))), tile_dtype),)))
                            if n_q_max else None,
                            row_scales=(plgpu.SMEM((cfg.compute_wgs, bm), jnp.float32),
                                        plgpu.Barrier(num_barriers=cfg.compute_wgs)) if scaled else None,
+                           # W8A8: each warpgroup's copy of the rows' scales, [K / 128, rows]
+                           act=(plgpu.SMEM((cfg.compute_wgs, k // 128, rows), jnp.float32),
+                                plgpu.Barrier(num_barriers=cfg.compute_wgs)) if w8a8 else None,
                            collective_axes="wg")
-        def _(allocs, o_smem, fp8, row_scales):
+        def _(allocs, o_smem, fp8, row_scales, act):
             def tile(mi, ni):
                 expert = block_expert_gmem[mi]
 
@@ -728,6 +743,9 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     def step(idx, x_smem, *rest):
                         *w_smem, accs = rest
                         tiles = [my_part(t) for t in w_smem]
+                        if w8a8:   # (``accs``: the fp32 sums, values)
+                            return w8a8_promoted(accs, w8a8_products(x_smem, tiles), act[0].at[wg], fp8[0].at[wg],
+                                                 idx[0] * bk // 128)
                         if scales:
                             tiles = dequantized(tiles, w, fp8[0].at[wg], None if a_in_registers else fp8[2].at[wg],
                                                 idx[0])
@@ -738,17 +756,27 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                     def context(body):
                         if scales:
                             load_scales(scales, fp8[0].at[wg], fp8[1], ni, first=wg * n_q_max)
+                        if w8a8:
+                            plgpu.copy_gmem_to_smem(act_gmem.at[:, pl.ds(mi * rows, rows)], act[0].at[wg],
+                                                    act[1].at[wg])
+                            plgpu.barrier_wait(act[1].at[wg])
                         s_smem = None
                         if scaled:
                             s_smem = row_scales[0].at[wg]
                             fetch_row_scales(scale_gmem, mi * rows + my_rows, s_smem, row_scales[1].at[wg])
                             plgpu.barrier_wait(row_scales[1].at[wg])
 
+                        def finish(vals):
+                            store(vals, o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
+                                                                   pl.ds(ni * bn + my_cols, bc)], s_smem,
+                                  tile_factors(expert, ni, w_gmem))
+                        if w8a8:
+                            finish(list(body(w8a8_zeros())))
+                            return
+
                         def scope(*accs):
                             body(accs)
-                            store([a[...] for a in accs], o_smem.at[wg], out_gmem.at[pl.ds(mi * rows + my_rows, bm),
-                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem,
-                                  tile_factors(expert, ni, w_gmem))
+                            finish([a[...] for a in accs])
                         pl.run_scoped(scope, *acc_shapes)
 
                     pipeline(step, context, mi, ni)(lhs_gmem, *w, allocations=allocs)

@@ -129,8 +129,9 @@ def test_fp8_rows_rounded_matches_the_stored_form(rng):
     assert float(edge.scale[0, 0]) == 2.0 ** -13 and float(edge.q[0, 0].astype(jnp.float32)) == 448
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(16, 64, 128, 2, swap_ab=True), GemmConfig(24, 128, 64, 3, swap_ab=True)],
-                         ids=["128-deep", "64-deep"])
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 64, 128, 2, swap_ab=True), GemmConfig(24, 128, 64, 3, swap_ab=True),
+                                 GemmConfig(16, 128, 64, 3, compute_wgs=2, split="n", swap_ab=True)],
+                         ids=["128-deep", "64-deep", "warp-specialised"])
 def test_fp8_activations_match_reference(cfg, rng):
     """W8A8: fp8 rows (a scale per row per 128 columns) times fp8 routed and shared experts,
     with routing weights; the references take the dequantised rows, and ``h`` is requantised
@@ -150,7 +151,7 @@ def test_fp8_activations_match_reference(cfg, rng):
     h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                        interpret=INTERPRET)
     rows = np.asarray(dest)
-    if cfg.block_n == 128:
+    if cfg.block_n == 128 and cfg.compute_wgs == 1:
         h8 = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                             interpret=INTERPRET, fp8_out=True)
         want = Fp8Rows.from_float(h)
@@ -295,6 +296,9 @@ def fp8_sds(shape):
     # W8A8 with h quantised in the gate/up epilogue (128-wide tiles: one scale block)
     (GemmConfig(16, 128, 128, 4, swap_ab=True), GemmConfig(16, 128, 128, 4, swap_ab=True), "w8a8"),
     (GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True), "w8a8"),
+    # W8A8 warp specialised: each compute warpgroup 64 weight rows, the rows shared
+    (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), "w8a8"),
+    (GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
@@ -313,7 +317,7 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
             return Fp8Rows(sds((m, k), jnp.float8_e4m3fn), sds((k // 128, m), jnp.float32))
         return sds((m, k), jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
-    fp8_out = fmt == "w8a8" and up.block_n == 128
+    fp8_out = fmt == "w8a8" and up.block_n == 128 and up.compute_wgs == 1
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up, fp8_out=fp8_out)).trace(
 
         rows(d), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
