@@ -26,7 +26,9 @@ each result as it comes (``PART`` lines), so a mode cut by its time limit keeps 
 Where a decode step's time goes (``decode_step``): each pass also runs once under the profiler,
 and the decode pass less the prefill pass gives per decode step the engine's host work and
 device wait (``Engine.stats``), its kernels' GPU time (summed, and the 15 largest by name),
-and its kernel launches and copies (counted, and the 25 most launched); ``prefill_kernels``: the
+its kernel launches and copies (counted, and the 25 most launched), and the host side of XLA's
+runtime (``host_events``: thunk execution, CUDA-graph updates and launches, device-to-host
+copies; count and ms per step, under the profiler); ``prefill_kernels``: the
 prefill pass's kernels (all its steps: ``prefill["steps"]``), the 25 largest by GPU time, and
 the pass's wall, host-work and device-wait milliseconds.
 
@@ -51,7 +53,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, gpu_state, run_info, traced_kernels, write  # noqa: E402
+from gpu_common import ROOT, gpu_state, run_info, traced_events, write  # noqa: E402
 
 MODES = ("reference", "pallas", "pallas_fp8", "fp32")
 QUANTIZED_MODES = {"pallas_fp8w": "fp8", "pallas_mxfp4": "mxfp4", "pallas_w8a8": "w8a8"}
@@ -117,7 +119,7 @@ def run_mode(mode: str, smoke: bool) -> None:
         wall = time.perf_counter() - t0
         after = dataclasses.replace(engine.stats)
         # the same pass again under the profiler: every kernel's GPU time
-        passes[name] = pass_totals(before, after, traced_kernels(lambda: engine.generate(batch, sp, decode_text=False)))
+        passes[name] = pass_totals(before, after, *traced_events(lambda: engine.generate(batch, sp, decode_text=False)))
         passes[name]["wall_s"] = wall
         part(name, {"requests": len(batch), "prompt_tokens": sum(map(len, batch)), "new_tokens": new,
                     "first_s": first, "s": wall, "compiled_shapes": engine.runner.compile_count,
@@ -129,15 +131,17 @@ def run_mode(mode: str, smoke: bool) -> None:
                              "wait_ms": pre["wait_s"] * 1e3})
 
 
-def pass_totals(before, after, kernels) -> dict:
+def pass_totals(before, after, kernels, host_events) -> dict:
     """A pass's steps, the engine's host work (planning, dispatch, output processing) and wait
-    for the device (``Engine.stats``), and its kernels' GPU seconds and launches by kernel name."""
+    for the device (``Engine.stats``), its kernels' GPU seconds and launches by kernel name, and
+    XLA's host-side runtime events (``gpu_common.HOST_EVENTS``: count and seconds by name)."""
     by_name, launches = {}, {}
     for _, name, us in kernels:
         by_name[name] = by_name.get(name, 0.0) + us / 1e6
         launches[name] = launches.get(name, 0) + 1
     return {"steps": after.steps - before.steps, "host_s": after.host_s - before.host_s,
-            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name, "launches": launches}
+            "wait_s": after.wait_s - before.wait_s, "kernel_s": by_name, "launches": launches,
+            "host_events": {k: (n, us / 1e6) for k, (n, us) in host_events.items()}}
 
 
 def top_kernels(one_pass: dict, n: int = 25) -> dict:
@@ -154,11 +158,16 @@ def decode_step(prefill: dict, decode: dict) -> dict:
     n = max(decode["steps"] - prefill["steps"], 1)
     kernels = {k: (v - prefill["kernel_s"].get(k, 0.0)) / n * 1e3 for k, v in decode["kernel_s"].items()}
     launches = {k: (v - prefill["launches"].get(k, 0)) / n for k, v in decode["launches"].items()}
+    # (count, ms) of each host-side runtime event (timed under the profiler)
+    host = {k: ((count - prefill["host_events"].get(k, (0, 0))[0]) / n,
+                (sec - prefill["host_events"].get(k, (0, 0))[1]) / n * 1e3)
+            for k, (count, sec) in decode["host_events"].items()}
     return {"steps": n, "step_ms": (decode["wall_s"] - prefill["wall_s"]) / n * 1e3,
             "host_ms": (decode["host_s"] - prefill["host_s"]) / n * 1e3,
             "wait_ms": (decode["wait_s"] - prefill["wait_s"]) / n * 1e3, "kernel_ms": sum(kernels.values()),
             "launches": sum(launches.values()),
             "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]),
+            "host_events": host,
             "top_launches": dict(sorted(launches.items(), key=lambda kv: -kv[1])[:25])}
 
 

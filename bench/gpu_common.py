@@ -113,11 +113,19 @@ def time_jax_one_dispatch(fn, arg_sets, inner: int = 10, reps: int = 5) -> float
     return statistics.median(times)
 
 
-def traced_kernels(run) -> list[tuple[float, str, float]]:
-    """``(start µs, kernel name, µs)`` of each GPU kernel that ``run()`` (which must wait for
-    its results) launches, in launch order, from a profiler trace; empty off the GPU."""
+# the host side of XLA's GPU runtime that decides a step's dispatch cost: running the thunks,
+# updating and launching the CUDA graphs (command buffers), and the device-to-host copies
+HOST_EVENTS = ("ExecuteThunks", "command_buffer::update", "cuGraphLaunch", "MemcpyD2H", "np.asarray")
+
+
+def traced_events(run) -> tuple[list[tuple[float, str, float]], dict[str, tuple[int, float]]]:
+    """What ``run()`` (which must wait for its results) does, from a profiler trace: ``(start
+    µs, kernel name, µs)`` of each GPU kernel it launches, in launch order (empty off the GPU),
+    and of the host's events named in ``HOST_EVENTS`` (digits in their names dropped), the
+    count and total µs by name."""
     import glob
     import gzip
+    import re
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):  # (the form run on the GPU)
@@ -126,7 +134,19 @@ def traced_kernels(run) -> list[tuple[float, str, float]]:
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e["args"]["name"]}
-    return sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu)
+    spans = [e for e in events if e.get("ph") == "X"]
+    host: dict[str, tuple[int, float]] = {}
+    for e in spans:
+        if e["pid"] not in gpu and any(k in e["name"] for k in HOST_EVENTS):
+            name = re.sub(r"\d+", "", e["name"]).strip()
+            n, us = host.get(name, (0, 0.0))
+            host[name] = (n + 1, us + e["dur"])
+    return sorted((e["ts"], e["name"], e["dur"]) for e in spans if e["pid"] in gpu), host
+
+
+def traced_kernels(run) -> list[tuple[float, str, float]]:
+    """``traced_events``' GPU kernels alone."""
+    return traced_events(run)[0]
 
 
 def gpu_timeline(run, calls: int) -> dict:

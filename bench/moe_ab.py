@@ -34,7 +34,8 @@ CONFIGS = {
     ("w8a8", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4), (32, 128, 128, 3)),
                     ((64, 128, 128, 3), (64, 128, 128, 3)), ((64, 128, 128, 2), (64, 64, 128, 6))],
     # warp specialised (two compute warpgroups of 64 weight rows each, the rows shared): 128-wide
-    # tiles without the register pressure; h requantised by XLA
+    # tiles without the register pressure; h requantised by XLA. Each size's first pair is
+    # mega.moe's one-warpgroup config, timed beside them
     ("w8a8-ws", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4, 2, "n"), (32, 128, 128, 4, 2, "n")),
                       ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n"))],
     ("w8a8-ws", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n")),
@@ -78,7 +79,7 @@ def one_tree(formats: list[str]) -> list[dict]:
             per = -(-t // cu.rows) * cu.rows       # rows per expert, block aligned (balanced)
             x_al = jnp.pad(x.reshape(E, t, D), ((0, 0), (0, per - t), (0, 0))).reshape(E * per, D)
             be = jnp.repeat(jnp.arange(E, dtype=jnp.int32), per // cu.rows)
-            fused = fmt == "w8a8" and cu.block_n == 128 and cu.compute_wgs == 1
+            fused = fmt == "w8a8" and cu.quantizes_h
             if fmt == "w8a8":
                 fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
                     grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, fp8_out=True) if fused
@@ -108,7 +109,7 @@ def one_tree(formats: list[str]) -> list[dict]:
 
 def main():
     args = sys.argv[1:]
-    formats = args.pop(args.index("--formats") + 1) if "--formats" in args else "fp8,mxfp4,w8a8"
+    formats = args.pop(args.index("--formats") + 1) if "--formats" in args else "fp8,mxfp4,w8a8,w8a8-ws"
     trees = dict(a.split("=", 1) for a in args if a != "--formats")
     out, rows = os.environ["OUT"], []
     for name, path in trees.items():

@@ -348,7 +348,7 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
     w8a8 = weights == "w8a8"
     for cu, cd in configs:
         x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
-        fused = w8a8 and cu.block_n == 128 and cu.compute_wgs == 1   # h quantised in the gate/up epilogue
+        fused = w8a8 and cu.quantizes_h   # h quantised in the gate/up epilogue
         fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
             (Fp8Rows.from_float if w8a8 and not fused else lambda h: h)(
                 grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be,

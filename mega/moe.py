@@ -230,7 +230,7 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
     rows_in = Fp8Rows.from_float if fp8_rows else (lambda rows: rows)
-    fp8_out = fp8_rows and up_cfg.block_n == 128
+    fp8_out = fp8_rows and up_cfg.quantizes_h
     h = grouped_swiglu(rows_in(x_al), p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp, fp8_out=fp8_out)

@@ -175,6 +175,12 @@ class GemmConfig:
         """Output columns per compute warpgroup."""
         return self.block_n // (self.compute_wgs if self.split == "n" else 1)
 
+    @property
+    def quantizes_h(self) -> bool:
+        """Whether a W8A8 gate/up kernel with these tiles can write ``h`` as ``Fp8Rows``
+        (``fp8_out``): swapped, one warpgroup, 128 wide, so a tile's columns are one scale block."""
+        return self.swap_ab and self.compute_wgs == 1 and self.block_n == 128
+
 
 def _scale_row(n: int) -> int:
     """Length of a scale row of ``n`` entries padded to 128 bytes, since a TMA copy into
@@ -342,7 +348,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise NotImplementedError("warp-specialised tiles need every weight of one kind (fp8 or bf16)")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
-    if fp8_out and (not cfg.swap_ab or ws or bn != 128):
+    if fp8_out and not cfg.quantizes_h:
         raise NotImplementedError("fp8 output (Fp8Rows): swapped tiles, one compute warpgroup, block_n 128 "
                                   "(a tile's columns are one scale block)")
     swap = cfg.swap_ab
@@ -588,6 +594,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     def fetch_row_scales(scale_gmem, first_row, s_smem, barrier):
         plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(first_row, s_smem.shape[0])], s_smem, barrier)
 
+    def fetch_act_scales(act_gmem, mi, s_smem, barrier):
+        """W8A8: row block ``mi``'s scales, ``[K / 128, rows]``, into shared memory, awaited."""
+        plgpu.copy_gmem_to_smem(act_gmem.at[:, pl.ds(mi * rows, rows)], s_smem, barrier)
+        plgpu.barrier_wait(barrier)
+
     scaled = row_scale is not None
 
     def grid_tile():
@@ -611,8 +622,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
             def body(w_scales, row_scales, barrier):
                 load_scales(scales, w_scales, barrier, ni)
-                plgpu.copy_gmem_to_smem(act_gmem.at[:, pl.ds(mi * rows, rows)], row_scales, barrier.at[n_q])
-                plgpu.barrier_wait(barrier.at[n_q])
+                fetch_act_scales(act_gmem, mi, row_scales, barrier.at[n_q])
 
                 def step(idx, x, *rest):
                     *w_smem, sums = rest
@@ -757,9 +767,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         if scales:
                             load_scales(scales, fp8[0].at[wg], fp8[1], ni, first=wg * n_q_max)
                         if w8a8:
-                            plgpu.copy_gmem_to_smem(act_gmem.at[:, pl.ds(mi * rows, rows)], act[0].at[wg],
-                                                    act[1].at[wg])
-                            plgpu.barrier_wait(act[1].at[wg])
+                            fetch_act_scales(act_gmem, mi, act[0].at[wg], act[1].at[wg])
                         s_smem = None
                         if scaled:
                             s_smem = row_scales[0].at[wg]

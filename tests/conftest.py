@@ -69,8 +69,10 @@ class GoldenModel:
             out["chunked"] = (case["chunked"]["chunks"], case["chunked"]["logits"])
         return out
 
-    def run(self, ids: list[int], calls: list[int], trace: bool = False, forced=None, max_len: int = 64):
-        """Logits of the calls concatenated, plus per-call traces when asked.
+    def run(self, ids: list[int], calls: list[int], trace: bool = False, forced=None, max_len: int = 64,
+            params=None):
+        """Logits of the calls concatenated, plus per-call traces when asked (``params``: other
+        weights of the same shapes).
 
         ``forced(start, n)`` gives the forced selection of the call covering rows
         ``[start, start + n)``. Prefill calls are padded to ``max_len`` tokens so all of
@@ -85,7 +87,8 @@ class GoldenModel:
         for n in calls:
             batch = pack_requests([(0, ids[pos:pos + n], pos)], pad_to=max_len if n > 1 else 1)
             kw = {} if forced is None else {"forced_selection": forced(pos, batch.tokens.shape[0])}
-            out = forward_jit(self.params, self.cfg, state, batch, self.emap, trace=trace, **kw)
+            out = forward_jit(self.params if params is None else params, self.cfg, state, batch, self.emap,
+                              trace=trace, **kw)
             logits.append(np.asarray(out[0])[:n])
             state = out[1]
             if trace:

@@ -151,7 +151,7 @@ def test_fp8_activations_match_reference(cfg, rng):
     h = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                        interpret=INTERPRET)
     rows = np.asarray(dest)
-    if cfg.block_n == 128 and cfg.compute_wgs == 1:
+    if cfg.quantizes_h:
         h8 = grouped_swiglu(x, w1, w3, block_expert, limit=limit, shared=shared_up, row_scale=row_w, cfg=cfg,
                             interpret=INTERPRET, fp8_out=True)
         want = Fp8Rows.from_float(h)
@@ -317,7 +317,7 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
             return Fp8Rows(sds((m, k), jnp.float8_e4m3fn), sds((k // 128, m), jnp.float32))
         return sds((m, k), jnp.bfloat16)
     be = sds((m // up.rows,), jnp.int32)
-    fp8_out = fmt == "w8a8" and up.block_n == 128 and up.compute_wgs == 1
+    fp8_out = fmt == "w8a8" and up.quantizes_h
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up, fp8_out=fp8_out)).trace(
 
         rows(d), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)

@@ -1,6 +1,8 @@
 """Parity with the HF reference on the v41_tiny fixtures (one-shot, chunked, decode)."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,20 +13,22 @@ CASES = ["c5", "c19", "c37", "c64", "c50_chunked"]
 
 # A fake-quantised element within float noise of a rounding boundary can round the other way
 # on another CPU (XLA's vector code differs by machine) and step the logits of every later row
-# by 1e-4 to 1e-2, then more through a flipped routing choice (the fixture README). The fixture
-# counts such elements per path; where it found some, parity is checked up to that flip. (On one
-# CPU c37 steps by 0.011 at row 17, then 2.1 at row 26; with its weights times 1 + 1e-7 N, two
-# of three draws matched every row to 1e-5.)
-FLIP_STEP = 5e-2   # the README's bound on a flip's own step
+# by 1e-4 to 1e-2, then more through a flipped routing choice (the fixture README; on one CPU
+# c37 stepped by 0.011 at row 17, then 2.1 at row 26). The fixture counts such elements per
+# path; where it found some and the logits differ, the same path must match with the weights
+# moved by float noise (times 1 + 1e-7 N): a flip, not a bug, moves with that noise.
+NOISE_DRAWS = 4
 
 
-def agreeing_rows(diff: np.ndarray, fragile: int) -> int:
-    """Rows checked: all of them, or, on a path with ``fragile`` elements, those before a flip's
-    onset (the first row off by more than 1e-3, itself off by less than ``FLIP_STEP``)."""
-    off = np.flatnonzero(diff.max(1) > 1e-3)
-    if fragile and off.size and diff[off[0]].max() < FLIP_STEP:
-        return int(off[0])
-    return len(diff)
+def noisy(params, draw: int):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(draw), len(leaves))
+    return jax.tree.unflatten(tree, [w * (1 + 1e-7 * jax.random.normal(k, w.shape, w.dtype))
+                                     if jnp.issubdtype(w.dtype, jnp.floating) else w for w, k in zip(leaves, keys)])
+
+
+def agree(got: np.ndarray, ref: np.ndarray) -> bool:
+    return np.abs(got - ref).max() <= 1e-3 and (got.argmax(-1) == ref.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -33,21 +37,17 @@ def test_logits_match_reference(tiny, case):
     for path, (calls, file) in tiny.paths(c).items():
         ref = tiny.load(file)
         got, _ = tiny.run(c["prompt_ids"], calls)
+        note = ""
+        if not agree(got, ref) and c["observed"]["quant_fragile_elements"][path]:
+            for draw in range(1, NOISE_DRAWS + 1):
+                moved, _ = tiny.run(c["prompt_ids"], calls, params=noisy(tiny.params, draw))
+                if agree(moved, ref):
+                    got, note = moved, f" (a quantisation flip: weights x (1 + 1e-7 N), draw {draw})"
+                    break
         diff = np.abs(got - ref)
-        n = agreeing_rows(diff, c["observed"]["quant_fragile_elements"][path])
-        flip = f" (a quantisation flip at row {n} of {len(diff)})" if n < len(diff) else ""
-        REPORT[f"v41_tiny {case} {path}"] = f"{diff[:n].max():.2e} / {np.median(diff[:n]):.2e}{flip}"
-        assert diff[:n].max() <= 1e-3, f"{case} {path}: max |diff| {diff.max()} at row {diff.max(1).argmax()}"
-        np.testing.assert_array_equal(got[:n].argmax(-1), ref[:n].argmax(-1), err_msg=f"{case} {path} argmax")
-
-
-def test_flip_rule_checks_the_rows_before_a_small_onset():
-    diff = np.full((6, 4), 1e-5)
-    diff[3:, 0] = [0.01, 2.0, 0.3]   # a flip-sized step at row 3, then a cascade
-    assert agreeing_rows(diff, fragile=2) == 3
-    assert agreeing_rows(diff, fragile=0) == 6      # no fragile elements: every row counts
-    diff[3, 0] = 0.5                                # too large a step for a flip
-    assert agreeing_rows(diff, fragile=2) == 6
+        REPORT[f"v41_tiny {case} {path}"] = f"{diff.max():.2e} / {np.median(diff):.2e}{note}"
+        assert diff.max() <= 1e-3, f"{case} {path}: max |diff| {diff.max()} at row {diff.max(1).argmax()}"
+        np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1), err_msg=f"{case} {path} argmax")
 
 
 def test_c19_intermediates(tiny):
@@ -66,8 +66,6 @@ def test_c19_intermediates(tiny):
 def test_indexer_scores_in_chunks_as_in_one_pass(tiny, monkeypatch):
     """Long contexts score the indexer's tokens in chunks (``model.attention.INDEX_PASS_BYTES``):
     forced at max_len 80, against one pass at max_len 96 (other shapes: separate traces)."""
-    import jax
-
     import model.attention as attention
 
     cfg, ids = tiny.cfg, tiny.cases["c50_chunked"]["prompt_ids"][:50]

@@ -13,27 +13,29 @@ from serve import score
 TINY = GOLDEN / "v41_tiny"
 
 
-def _expected_logprobs(case):
+def _expected_logprobs(case, n):
+    """Log-probs of tokens 1..n-1 of ``case``'s first ``n`` (causal: its full logits' rows)."""
     logits = np.load(TINY / case["full_logits"]).astype(np.float64)
     lse = np.log(np.exp(logits).sum(-1))
     ids = case["prompt_ids"]
-    return [logits[t, ids[t + 1]] - lse[t] for t in range(len(ids) - 1)]
+    return [logits[t, ids[t + 1]] - lse[t] for t in range(n - 1)]
 
 
 def test_scores_agree_with_golden_logits(tmp_path, tiny):
-    # (cases without quantisation-fragile elements, so that no CPU's rounding flips them;
-    # c19 twice: a padded batch of two lengths, then a batch of one)
-    cases = [tiny.cases[n] for n in ("c19", "c5", "c19")]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": c["prompt_ids"]}) + "\n" for c in cases))
+    # cases the fixture found no quantisation-fragile element in (test_parity's note), and c19's
+    # first 17 tokens: a batch of two lengths in one bucket, padded
+    seqs = [(tiny.cases["c19"], 19), (tiny.cases["c5"], 5), (tiny.cases["c19"], 17)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": c["prompt_ids"][:n]}) + "\n"
+                                               for c, n in seqs))
     rc = score.main(["--model", str(TINY), "--input", str(tmp_path / "in.jsonl"), "--output",
                      str(tmp_path / "out.jsonl"), "--batch-size", "2"])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(rows) == len(cases)
-    for row, case in zip(rows, cases):
+    assert len(rows) == len(seqs)
+    for row, (case, n) in zip(rows, seqs):
         lp = row["token_logprobs"]
-        assert lp[0] is None and len(lp) == case["length"]
-        np.testing.assert_allclose(lp[1:], _expected_logprobs(case), atol=1e-4)
+        assert lp[0] is None and len(lp) == n
+        np.testing.assert_allclose(lp[1:], _expected_logprobs(case, n), atol=1e-4)
 
 
 def _cli(tmp_path, lines, *extra):
