@@ -21,6 +21,7 @@ NOISE_DRAWS = 4
 
 
 def noisy(params, draw: int):
+    """``params`` with every float weight times 1 + 1e-7 N (seeded by ``draw``)."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(draw), len(leaves))
     return jax.tree.unflatten(tree, [w * (1 + 1e-7 * jax.random.normal(k, w.shape, w.dtype))
