@@ -22,7 +22,9 @@ CONFIGS = {
     ("fp8", 16): [((16, 64, 128, 6), (16, 128, 128, 4)), ((32, 64, 128, 4), (32, 128, 128, 3))],
     ("fp8", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 64, 128, 3), (64, 128, 128, 2))],
     ("fp8", 256): [((128, 64, 64, 4), (128, 128, 64, 3))],
-    ("mxfp4", 16): [((16, 64, 256, 4), (16, 128, 256, 3)), ((16, 64, 128, 8), (16, 128, 128, 6))],
+    ("mxfp4", 16): [((16, 64, 256, 4), (16, 128, 256, 3)), ((16, 64, 128, 8), (16, 128, 128, 6)),
+                    # 64-row down tiles (480 CTAs, not 240 in 1.8 waves); 512-deep gate/up steps
+                    ((16, 64, 256, 4), (16, 64, 256, 4)), ((16, 64, 512, 3), (16, 64, 256, 4))],
     ("mxfp4", 64): [((64, 64, 128, 4), (64, 128, 128, 3))],
     ("mxfp4", 256): [((128, 64, 64, 4), (128, 128, 64, 3))],
     # (W8A8 holds each accumulator twice, the step's product and the sum; gate/up tiles 128 wide
@@ -36,11 +38,14 @@ CONFIGS = {
     # warp specialised (two compute warpgroups of 64 weight rows each, the rows shared): 128-wide
     # tiles without the register pressure; h requantised by XLA. Each size's first pair is
     # mega.moe's one-warpgroup config, timed beside them
+    ("w8a8-ws", 16): [((32, 128, 128, 4), (32, 128, 128, 3)), ((16, 128, 128, 4, 2, "n"), (16, 128, 128, 4, 2, "n")),
+                      ((32, 128, 128, 4, 2, "n"), (32, 128, 128, 4, 2, "n"))],
     ("w8a8-ws", 64): [((64, 64, 128, 4), (64, 128, 128, 3)), ((32, 128, 128, 4, 2, "n"), (32, 128, 128, 4, 2, "n")),
                       ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n"))],
     ("w8a8-ws", 256): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n")),
                        ((64, 128, 128, 3, 2, "n"), (64, 128, 128, 4, 2, "n"))],
-    ("w8a8-ws", 1024): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n"))],
+    ("w8a8-ws", 1024): [((64, 64, 128, 4), (64, 128, 128, 3)), ((64, 128, 128, 4, 2, "n"), (64, 128, 128, 4, 2, "n")),
+                        ((64, 128, 128, 4, 2, "n"), (128, 128, 128, 3, 2, "n"))],
 }
 
 
@@ -115,17 +120,20 @@ def main():
     for name, path in trees.items():
         root = os.path.abspath(path)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "bench")])}
-        r = subprocess.run([sys.executable, __file__, "--one", formats], capture_output=True, text=True, env=env,
-                           timeout=540)
-
-        got = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-        if not got:
-            got = [{"error": r.stderr[-2000:]}]
+        try:   # (TREE_TIMEOUT: a kernel that hangs loses its tree's rows, not the call's)
+            r = subprocess.run([sys.executable, __file__, "--one", formats], capture_output=True, text=True, env=env,
+                               timeout=float(os.environ.get("TREE_TIMEOUT", 540)))
+            stdout, stderr = r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr = (e.stdout or b"").decode()   # (bytes, even with text=True), f"timed out after {e.timeout} s"
+        got = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+        if not got or stderr.startswith("timed out"):
+            got.append({"error": stderr[-2000:]})
         rows += [{"tree": name, **g} for g in got]
         for g in got:
             print(name, json.dumps(g), flush=True)
-    json.dump({"commit": os.environ.get("MEGAJAX_COMMIT"), "trees": trees, "rows": rows},
-              open(os.path.join(out, "moe_ab.json"), "w"), indent=1)
+        json.dump({"commit": os.environ.get("MEGAJAX_COMMIT"), "trees": trees, "rows": rows},
+                  open(os.path.join(out, "moe_ab.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":
