@@ -167,10 +167,15 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     64 (each accumulator is held twice, the step's product and the sum, so 128-row tiles would
     spill). Up to 16 rows per expert W8A8's gate/up tiles are 128 wide, one scale block of
     ``h``, which their epilogue quantises: 5-9% less GPU time than 64-wide tiles and XLA's
-    requantisation; at 64 and 256 rows per expert 9-23% more (bench/RESULTS.md).
+    requantisation; at 64 and 256 rows per expert 9-23% more (bench/RESULTS.md). From 256 rows
+    per expert the gate/up tiles are warp specialised (two compute warpgroups of 64 weight rows
+    each, 128 wide): 4-6% faster than one warpgroup at 256 and 1024 rows; the down projection's
+    are 34% slower than one warpgroup's, so it keeps those.
     """
     if fmt == "w8a8" and n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)
+    elif fmt == "w8a8" and n_rows >= 256 * n_experts:
+        cfgs = GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
     elif fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
         rows = 32 if n_rows <= 16 * n_experts else 64
         cfgs = GemmConfig(rows, 64, 128, 4, swap_ab=True), GemmConfig(rows, 128, 128, 3, swap_ab=True)
