@@ -208,7 +208,8 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     by expert (``tokens``: each grouped row's token).
 
     The aligned kernel input is gathered from ``x`` in one pass (each aligned row knows its
-    token, padding rows none), so the dispatched rows are written once. ``row_w`` scales each
+    token, padding rows none), so the dispatched rows are written once (W8A8: each token's
+    fp8 rows, quantised before the gather). ``row_w`` scales each
     row's SwiGLU activation before the down projection (§3.9), in the gate/up kernel's
     epilogue: nothing runs between the two launches. With ``fuse_shared`` every token also
     runs the shared expert in the same two launches, as expert id E (weight 1): its weight
@@ -231,15 +232,20 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     dest, block_expert, m_pad = aligned_layout(group_sizes, tokens.shape[0], up_cfg.rows,
                                                n_experts + (shared is not None))
     src = jnp.full((m_pad,), -1, tokens.dtype).at[dest].set(tokens)   # aligned row → token
-    x_al = jnp.where(src[:, None] >= 0, x[jnp.maximum(src, 0)], 0).astype(x.dtype)
+    valid, token = src >= 0, jnp.maximum(src, 0)
+    if fp8_rows:   # quantised per token, then gathered: top-k + 1 times fewer rows to quantise
+        xq = Fp8Rows.from_float(x)
+        x_al = Fp8Rows(jnp.where(valid[:, None], xq.q[token], 0), jnp.where(valid, xq.scale[:, token], 1.0))
+    else:
+        x_al = jnp.where(valid[:, None], x[token], 0).astype(x.dtype)
     w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
-    rows_in = Fp8Rows.from_float if fp8_rows else (lambda rows: rows)
     fp8_out = fp8_rows and up_cfg.quantizes_h
-    h = grouped_swiglu(rows_in(x_al), p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
+    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
                        shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp, fp8_out=fp8_out)
-    return grouped_matmul(h if fp8_out else rows_in(h), p["w2"], block_expert, cfg=down_cfg, interpret=interp,
+    return grouped_matmul(Fp8Rows.from_float(h) if fp8_rows and not fp8_out else h, p["w2"], block_expert,
+                          cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 
 
