@@ -129,9 +129,9 @@ W8A8_CONFIGS = [
     (GemmConfig(32, 128, 128, 6, swap_ab=True), GemmConfig(32, 128, 128, 4, swap_ab=True)),
     (GemmConfig(64, 128, 128, 3, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
     # warp specialised: two compute warpgroups of 64 weight rows each (h requantised by XLA);
-    # from 256 rows per expert mega.moe's gate/up, beside one warpgroup's down projection
+    # from 256 rows per expert mega.moe's pair, the down kernel's blocks 128 rows
     (GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True)),
-    (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)),
+    (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(128, 128, 128, 3, 2, "n", swap_ab=True)),
 ]
 # block-scaled weight formats beside bf16: (case suffix, quantiser, bytes per weight, configs)
 QUANTIZED = {
@@ -333,8 +333,9 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 def config_name(prefix, cu, cd):
     split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
              + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else ""))
+    down = "" if (cd.rows, cd.compute_wgs) == (cu.rows, cu.compute_wgs) else f" {cd.compute_wgs}wg {cd.rows} rows"
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
-            f"{cd.block_n}x{cd.block_k}/{cd.stages}]")
+            f"{cd.block_n}x{cd.block_k}/{cd.stages}{down}]")
 
 
 def quantized_impls(weights, xs, q1, q3, q2, counts):
@@ -344,17 +345,19 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
                "w8a8": W8A8_CONFIGS}[weights]
     w8a8 = weights == "w8a8"
     for cu, cd in configs:
-        x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, cu.rows)
+        block = max(cu.rows, cd.rows)   # (as mega.moe: each kernel's row blocks tile the layout's)
+        x_al, dest, block_expert = aligned(xs, jnp.asarray(counts, jnp.int32), n, block)
+        be_up, be_down = (jnp.repeat(block_expert, block // c.rows) for c in (cu, cd))
         fused = w8a8 and cu.quantizes_h   # h quantised in the gate/up epilogue
-        fn = jax.jit(lambda x, a, b, c, be, cu=cu, cd=cd, fused=fused: grouped_matmul(
+        fn = jax.jit(lambda x, a, b, c, be, be_d, cu=cu, cd=cd, fused=fused: grouped_matmul(
             (Fp8Rows.from_float if w8a8 and not fused else lambda h: h)(
-                grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be,
+                grouped_swiglu(x, a, b, be, limit=LIMIT, cfg=cu, interpret=INTERPRET, fp8_out=fused)), c, be_d,
             cfg=cd, interpret=INTERPRET))
         # the kernels compute in f16 with quantised weights: f16 rows in (the dispatch's gather
         # would write them so) keep a conversion pass out of the timed call, and h stays f16;
         # W8A8 takes the rows quantised (as the gather would write them)
         out[config_name("megajax" + QUANTIZED[weights][0], cu, cd)] = (
-            "jax", fn, (Fp8Rows.from_float(x_al) if w8a8 else x_al.astype(jnp.float16), q1, q3, q2, block_expert),
+            "jax", fn, (Fp8Rows.from_float(x_al) if w8a8 else x_al.astype(jnp.float16), q1, q3, q2, be_up, be_down),
             lambda y, dest=dest: y[dest].astype(jnp.float32))
     return out
 
