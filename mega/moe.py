@@ -168,15 +168,14 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
     spill). Up to 16 rows per expert W8A8's gate/up tiles are 128 wide, one scale block of
     ``h``, which their epilogue quantises: 5-9% less GPU time than 64-wide tiles and XLA's
     requantisation; at 64 and 256 rows per expert 9-23% more (bench/RESULTS.md). From 256 rows
-    per expert both kernels are warp specialised (two compute warpgroups of 64 weight rows each,
-    128 wide): the gate/up tiles 4-6% faster than one warpgroup at 256 and 1024 rows; the down
-    tiles 5% faster with 128 rows (an fp8 wgmma N of 128), 34% slower with 64, so the layout is
-    aligned to 128 rows and gate/up sees each block as two.
+    per expert the gate/up tiles are warp specialised (two compute warpgroups of 64 weight rows
+    each, 128 wide): 4-6% faster than one warpgroup at 256 and 1024 rows; the down projection's
+    are 34% slower than one warpgroup's, so it keeps those.
     """
     if fmt == "w8a8" and n_rows <= 16 * n_experts:
         cfgs = GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)
     elif fmt == "w8a8" and n_rows >= 256 * n_experts:
-        cfgs = GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(128, 128, 128, 3, 2, "n", swap_ab=True)
+        cfgs = GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
     elif fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
         rows = 32 if n_rows <= 16 * n_experts else 64
         cfgs = GemmConfig(rows, 64, 128, 4, swap_ab=True), GemmConfig(rows, 128, 128, 3, swap_ab=True)
@@ -230,8 +229,8 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
         group_sizes = jnp.concatenate([group_sizes, jnp.array([t], jnp.int32)])
         shared = p["shared"]
     up_cfg, down_cfg = cfgs
-    block = max(up_cfg.rows, down_cfg.rows)   # (aligned to the larger: each kernel's blocks tile it)
-    dest, block_expert, m_pad = aligned_layout(group_sizes, tokens.shape[0], block, n_experts + (shared is not None))
+    dest, block_expert, m_pad = aligned_layout(group_sizes, tokens.shape[0], up_cfg.rows,
+                                               n_experts + (shared is not None))
     src = jnp.full((m_pad,), -1, tokens.dtype).at[dest].set(tokens)   # aligned row → token
     valid, token = src >= 0, jnp.maximum(src, 0)
     if fp8_rows:   # quantised per token, then gathered: top-k + 1 times fewer rows to quantise
@@ -242,11 +241,11 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     w_al = jnp.zeros((m_pad,), jnp.float32).at[dest].set(row_w)
     interp = backend.interpret_params()
     fp8_out = fp8_rows and up_cfg.quantizes_h
-    h = grouped_swiglu(x_al, p["w1"], p["w3"], jnp.repeat(block_expert, block // up_cfg.rows), limit=limit,
-                       cfg=up_cfg, row_scale=w_al, shared=None if shared is None else (shared["w1"], shared["w3"]),
+    h = grouped_swiglu(x_al, p["w1"], p["w3"], block_expert, limit=limit, cfg=up_cfg, row_scale=w_al,
+                       shared=None if shared is None else (shared["w1"], shared["w3"]),
                        interpret=interp, fp8_out=fp8_out)
-    return grouped_matmul(Fp8Rows.from_float(h) if fp8_rows and not fp8_out else h, p["w2"],
-                          jnp.repeat(block_expert, block // down_cfg.rows), cfg=down_cfg, interpret=interp,
+    return grouped_matmul(Fp8Rows.from_float(h) if fp8_rows and not fp8_out else h, p["w2"], block_expert,
+                          cfg=down_cfg, interpret=interp,
                           shared=None if shared is None else shared["w2"]), dest
 
 

@@ -64,7 +64,7 @@ Warp specialised (``split="n"``), each of two compute warpgroups promotes its ow
 of a 128-wide tile against the shared rows, so one's scaling overlaps the other's wgmmas, as in
 DeepGEMM (its own copy of the rows' scales). On the H200 that gate/up kernel is 4-6% faster
 than one warpgroup's from 256 rows per expert; the down kernel is 5% faster with 128-row tiles
-(an fp8 wgmma N of 128) and 34% slower with 64. The output is
+(an fp8 wgmma N of 128; balanced loads) and 34% slower with 64. The output is
 bf16, or, with ``fp8_out`` and 128-wide tiles (one scale block of ``h``), ``Fp8Rows``
 quantised in the epilogue: a row's amax across the warpgroup, the scale from its bits, e4m3
 stored through an f16 staging tile (8-bit values have no transposed register layout). On the
