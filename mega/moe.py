@@ -218,7 +218,7 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
     Returns the block-aligned output rows and the aligned row of each grouped row (routed
     rows, then shared rows), so the combine gathers each row only once. ``fp8_rows``: W8A8,
     the rows and ``h`` go in as ``Fp8Rows``; ``h`` quantised by the gate/up kernel's epilogue
-    when its tiles are 128 wide (one scale block), else by XLA between the launches.
+    when its config can (``GemmConfig.quantizes_h``), else by XLA between the launches.
     """
     n_experts = p["w1"].shape[0]
     shared = None
@@ -233,7 +233,7 @@ def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=F
                                                n_experts + (shared is not None))
     src = jnp.full((m_pad,), -1, tokens.dtype).at[dest].set(tokens)   # aligned row → token
     valid, token = src >= 0, jnp.maximum(src, 0)
-    if fp8_rows:   # quantised per token, then gathered: top-k + 1 times fewer rows to quantise
+    if fp8_rows:   # quantised per token, then gathered: top-k (+ 1, shared fused) times fewer rows to quantise
         xq = Fp8Rows.from_float(x)
         x_al = Fp8Rows(jnp.where(valid[:, None], xq.q[token], 0), jnp.where(valid, xq.scale[:, token], 1.0))
     else:

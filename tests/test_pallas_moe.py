@@ -300,11 +300,13 @@ def fp8_sds(shape):
     # mega.moe's pair from 256 rows per expert, the down projection on one warpgroup)
     (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True), "w8a8"),
     (GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), "w8a8"),
+    # the benches' down tiles of 128 rows (an fp8 wgmma N of 128) beside 64-row gate/up tiles
+    (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(128, 128, 128, 3, 2, "n", swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
     layouts and the 227 KiB shared-memory budget are checked without a GPU."""
-    e, d, inter, m = 6, 5120, 2304, up.rows * 8
+    e, d, inter, m = 6, 5120, 2304, max(up.rows, down.rows) * 8
     sds = jax.ShapeDtypeStruct
 
     def weight(shape):
@@ -317,14 +319,12 @@ def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
         if fmt == "w8a8":
             return Fp8Rows(sds((m, k), jnp.float8_e4m3fn), sds((k // 128, m), jnp.float32))
         return sds((m, k), jnp.bfloat16)
-    be = sds((m // up.rows,), jnp.int32)
     fp8_out = fmt == "w8a8" and up.quantizes_h
     jax.jit(lambda x, a, b, i, s: grouped_swiglu(x, a, b, i, limit=10.0, row_scale=s, cfg=up, fp8_out=fp8_out)).trace(
-
-        rows(d), weight((e, inter, d)), weight((e, inter, d)), be, sds((m,), jnp.float32)
+        rows(d), weight((e, inter, d)), weight((e, inter, d)), sds((m // up.rows,), jnp.int32), sds((m,), jnp.float32)
     ).lower(lowering_platforms=("cuda",))
     jax.jit(lambda h, w, i: grouped_matmul(h, w, i, cfg=down)).trace(
-        rows(inter), weight((e, d, inter)), be).lower(lowering_platforms=("cuda",))
+        rows(inter), weight((e, d, inter)), sds((m // down.rows,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("kw", [{"split": "k"}, {"block_n": 96, "compute_wgs": 5, "split": "n"},
