@@ -223,12 +223,17 @@ def test_aligned_layout_has_no_loop():
     assert "while" not in hlo
 
 
-@pytest.mark.parametrize("w8a8", [False, True], ids=["bf16", "w8a8"])
-def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8):
+# W8A8 as mega.moe runs it above 16 rows per expert: 64-wide gate/up tiles, h requantised by XLA
+H_BY_XLA = GemmConfig(16, 64, 128, 3, swap_ab=True), GemmConfig(16, 128, 128, 3, swap_ab=True)
+
+
+@pytest.mark.parametrize("w8a8,cfgs", [(False, None), (True, None), (True, H_BY_XLA)],
+                         ids=["bf16", "w8a8", "w8a8-h-by-xla"])
+def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8, cfgs):
     """The full MegaMoE op (routing, dispatch, kernels, combine, shared expert) through the
     interpreted kernels equals the reference path on the same bf16 inputs; W8A8 (fp8 experts,
-    fp8 rows), both paths round the rows alike (``h`` too: here in the gate/up kernel's
-    epilogue), and that rounding shows."""
+    fp8 rows), both paths round the rows alike (``h`` too: at decode sizes in the gate/up
+    kernel's epilogue), and that rounding shows. ``cfgs``: the kernels' configs forced."""
 
     t, d, inter, e = 19, 256, 256, 4
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
@@ -251,11 +256,13 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8):
         unrounded = moe(x, p, MoeSpec(top_k=2, routed_scale=1.5, swiglu_limit=3.0))
         assert rel(np.asarray(unrounded, np.float32), np.asarray(want, np.float32)) > 5e-3
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    if cfgs is not None:
+        monkeypatch.setattr(moe_module, "_kernel_configs", lambda *a: cfgs)
     calls = []
     monkeypatch.setattr(moe_module, "grouped_swiglu", lambda *a, **k: calls.append(k) or grouped_swiglu(*a, **k))
     got = moe(x, p, spec)
     assert calls and calls[0]["shared"] is not None  # the kernels ran, with the shared expert fused
-    assert calls[0]["fp8_out"] == w8a8   # (decode sizes: W8A8's h quantised in the gate/up epilogue)
+    assert calls[0]["fp8_out"] == (w8a8 and cfgs is None)   # (W8A8 at decode sizes: h quantised in the epilogue)
     assert np.isfinite(np.asarray(got, np.float32)).all()
     assert rel(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
 
