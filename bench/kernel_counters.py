@@ -1,0 +1,142 @@
+"""Hardware counters of our kernels and their peers, under Nsight Compute: where a kernel's
+cycles go (tensor-pipe activity, warp stall reasons, shared-memory and DRAM traffic), where
+the timing benches can only remove stages and take differences.
+
+Each case builds its inputs, runs its functions twice (compilation, warm-up), then once more
+between ``cuProfilerStart`` and ``cuProfilerStop``, so that ``ncu --profile-from-start off``
+profiles exactly that call's kernels:
+
+- ``attn-decode-256``, ``attn-prefill-4096``: ``sparse_mqa`` at ``attention_gpu.py``'s shapes
+  (bf16 pools, the automatic grid);
+- ``moe-256``, ``moe-1024``: the bf16 expert stage at ``moe_gpu.py``'s shapes (6 experts,
+  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum (cuBLAS).
+
+On the device (Firecracker machines; ``--clock-control none`` leaves the clocks alone):
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform ncu --profile-from-start off --set full \\
+        --clock-control none -f -o $OUT/counters python3 bench/kernel_counters.py
+    python3 bench/kernel_counters.py --export $OUT/counters.ncu-rep   # CSV pages beside it, gzipped
+
+(The platform allocator gives each buffer its own allocation: ncu saves and restores the
+memory a replayed kernel can write, and XLA's default pool is most of the GPU.)
+``--smoke``: tiny shapes in the Mosaic GPU interpreter, no profiler (CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_gpu  # noqa: E402
+from gpu_common import run_info  # noqa: E402
+
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32  # noqa: E402
+from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
+from mega.moe import aligned_layout  # noqa: E402
+
+CASES = ("attn-decode-256", "attn-prefill-4096", "moe-256", "moe-1024")
+LIMIT = 10.0   # SwiGLU clamp, as moe_gpu.py
+
+
+def _profiler():
+    """(start, stop) of the CUDA profiler range, or no-ops where there is no CUDA driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return (lambda: None), (lambda: None)
+    return cuda.cuProfilerStart, cuda.cuProfilerStop
+
+
+def attention_case(kind, n, smoke):
+    h, d, win, topk, pool = (64, 128, 64, 64, 512) if smoke else (64, 512, 128, 512, 32768)
+    _, (wkv, ckv), draw, _ = attention_gpu.make_case(kind, n, h, d, win, topk, pool, np.random.default_rng(0))
+    q, w, c = draw(1)
+    sink = jnp.asarray(np.random.default_rng(1).standard_normal(h), jnp.float32)
+    fn = jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, d ** -0.5))
+    return {"sparse_mqa": (fn, (q, w, c, wkv, ckv))}
+
+
+def moe_case(t, smoke):
+    interpret = None
+    if smoke:   # the grouped kernels read their operands differently when interpreted: say so
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret = InterpretGPUParams()
+    e, d, i = (2, 256, 128) if smoke else (6, 5120, 2304)
+    keys = jax.random.split(jax.random.key(t), 4)
+    xs = jax.random.normal(keys[0], (e * t, d), jnp.bfloat16)
+    w1, w3 = (jax.random.normal(k, (e, i, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
+    w2 = jax.random.normal(keys[3], (e, d, i), jnp.bfloat16) * i ** -0.5
+    # mega.moe's bf16 configs from 128 rows per expert (its _kernel_configs)
+    up_cfg, down_cfg = GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)
+    gs = jnp.full((e,), t, jnp.int32)
+    dest, block_expert, m_pad = aligned_layout(gs, e * t, up_cfg.rows, e)
+    x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
+    up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=up_cfg, interpret=interpret)
+    down = functools.partial(grouped_matmul, cfg=down_cfg, interpret=interpret)
+    ours = jax.jit(lambda x, a, b, c, be: down(up(x, a, b, be), c, be))
+
+    def glu(hh):
+        return swiglu_f32(hh[..., :i].astype(jnp.float32), hh[..., i:].astype(jnp.float32), LIMIT).astype(jnp.bfloat16)
+    einsum = jax.jit(lambda xp, a, b: jnp.einsum("eti,edi->etd", glu(jnp.einsum("etd,end->etn", xp, a)), b))
+    return {"megajax": (ours, (x_al, w1, w3, w2, block_expert)),
+            "xla_einsum": (einsum, (xs.reshape(e, t, d), jnp.concatenate([w1, w3], axis=1), w2))}
+
+
+def run(cases, smoke):
+    start, stop = _profiler()
+    for name in cases:
+        kind, *rest = name.split("-")
+        size = int(rest[-1]) if not smoke else {"decode": 2, "prefill": 8}.get(rest[0], 64)
+        fns = attention_case(rest[0], size, smoke) if kind == "attn" else moe_case(size, smoke)
+        for impl, (fn, args) in fns.items():
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
+            start()
+            jax.block_until_ready(fn(*args))
+            stop()
+            print(f"profiled {name} {impl}", flush=True)
+
+
+def export(report: Path):
+    """The report's raw metrics, details and per-instruction (SASS) pages as gzipped CSV/text."""
+    ncu = "ncu"
+    pages = {"raw.csv": ["--page", "raw", "--csv"], "details.txt": ["--page", "details"],
+             "source.csv": ["--page", "source", "--csv", "--print-source", "sass"]}
+    for suffix, opts in pages.items():
+        out = subprocess.run([ncu, "--import", str(report), *opts], capture_output=True, text=True)
+        path = report.with_name(report.stem + "_" + suffix + ".gz")
+        with gzip.open(path, "wt") as f:
+            f.write(out.stdout)
+        print(f"{path.name}: {len(out.stdout)} chars, rc {out.returncode} {out.stderr[-500:]}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--export", type=Path, help="write the CSV pages of this ncu report, then exit")
+    args = ap.parse_args()
+    if args.export:
+        export(args.export)
+        return
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASES):
+        sys.exit(f"unknown case(s) {sorted(unknown)}; known: {', '.join(CASES)}")
+    if args.smoke:
+        from jax._src.pallas.mosaic_gpu.interpret import params as ip
+        ip.set_gpu_interpret_mode(ip.InterpretGPUParams())
+    print(run_info(), flush=True)
+    run(cases, args.smoke)
+
+
+if __name__ == "__main__":
+    main()
