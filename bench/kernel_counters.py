@@ -9,7 +9,8 @@ profiles exactly that call's kernels:
 - ``attn-decode-256``, ``attn-prefill-4096``: ``sparse_mqa`` at ``attention_gpu.py``'s shapes
   (bf16 pools, the automatic grid);
 - ``moe-256``, ``moe-1024``: the bf16 expert stage at ``moe_gpu.py``'s shapes (6 experts,
-  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum (cuBLAS).
+  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum (cuBLAS);
+  ``moe-w8a8-1024``: the W8A8 kernels there (fp8 weights and rows, ``h`` requantised by XLA).
 
 On the device (Firecracker machines; ``--clock-control none`` leaves the clocks alone):
 
@@ -39,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_gpu  # noqa: E402
 from gpu_common import run_info  # noqa: E402
 
-from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32  # noqa: E402
+from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul,  # noqa: E402
+                                         grouped_swiglu, swiglu_f32)
 from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
 from mega.moe import aligned_layout  # noqa: E402
 
-CASES = ("attn-decode-256", "attn-prefill-4096", "moe-256", "moe-1024")
+CASES = ("attn-decode-256", "attn-prefill-4096", "moe-256", "moe-1024", "moe-w8a8-1024")
 LIMIT = 10.0   # SwiGLU clamp, as moe_gpu.py
 
 
@@ -65,7 +67,7 @@ def attention_case(kind, n, smoke):
     return {"sparse_mqa": (fn, (q, w, c, wkv, ckv))}
 
 
-def moe_case(t, smoke):
+def moe_case(t, smoke, w8a8=False):
     interpret = None
     if smoke:   # the grouped kernels read their operands differently when interpreted: say so
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -75,13 +77,19 @@ def moe_case(t, smoke):
     xs = jax.random.normal(keys[0], (e * t, d), jnp.bfloat16)
     w1, w3 = (jax.random.normal(k, (e, i, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
     w2 = jax.random.normal(keys[3], (e, d, i), jnp.bfloat16) * i ** -0.5
-    # mega.moe's bf16 configs from 128 rows per expert (its _kernel_configs)
-    up_cfg, down_cfg = GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)
+    # mega.moe's configs from 128 (bf16) or 256 (W8A8) rows per expert (its _kernel_configs)
+    up_cfg, down_cfg = ((GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True))
+                        if w8a8 else
+                        (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)))
     gs = jnp.full((e,), t, jnp.int32)
     dest, block_expert, m_pad = aligned_layout(gs, e * t, up_cfg.rows, e)
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
     up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=up_cfg, interpret=interpret)
     down = functools.partial(grouped_matmul, cfg=down_cfg, interpret=interpret)
+    if w8a8:
+        quantized = [QuantizedWeight.from_float(w) for w in (w1, w3, w2)]
+        ours = jax.jit(lambda x, a, b, c, be: down(Fp8Rows.from_float(up(x, a, b, be)), c, be))
+        return {"megajax_w8a8": (ours, (Fp8Rows.from_float(x_al), *quantized, block_expert))}
     ours = jax.jit(lambda x, a, b, c, be: down(up(x, a, b, be), c, be))
 
     def glu(hh):
@@ -96,7 +104,7 @@ def run(cases, smoke):
     for name in cases:
         kind, *rest = name.split("-")
         size = int(rest[-1]) if not smoke else {"decode": 2, "prefill": 8}.get(rest[0], 64)
-        fns = attention_case(rest[0], size, smoke) if kind == "attn" else moe_case(size, smoke)
+        fns = attention_case(rest[0], size, smoke) if kind == "attn" else moe_case(size, smoke, rest[0] == "w8a8")
         for impl, (fn, args) in fns.items():
             for _ in range(2):
                 jax.block_until_ready(fn(*args))
