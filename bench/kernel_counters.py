@@ -25,9 +25,12 @@ memory a replayed kernel can write, and XLA's default pool is most of the GPU.)
 from __future__ import annotations
 
 import argparse
+import csv
 import ctypes
 import functools
 import gzip
+import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -114,27 +117,84 @@ def run(cases, smoke):
             print(f"profiled {name} {impl}", flush=True)
 
 
+PAGES = {"raw.csv": ["--page", "raw", "--csv"], "details.txt": ["--page", "details"],
+         "source.csv": ["--page", "source", "--csv", "--print-source", "sass"]}
+METRICS = {   # summary name -> raw metric (ncu 2025.3 on sm90)
+    "ms": "gpu__time_duration.sum",
+    "sm_clock_ghz": "gpc__cycles_elapsed.avg.per_second",
+    "tensor_active_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "issue_active_pct": "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+    "shared_wavefronts_pct": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
+    "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+}
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
 def export(report: Path):
-    """The report's raw metrics, details and per-instruction (SASS) pages as gzipped CSV/text."""
-    ncu = "ncu"
-    pages = {"raw.csv": ["--page", "raw", "--csv"], "details.txt": ["--page", "details"],
-             "source.csv": ["--page", "source", "--csv", "--print-source", "sass"]}
-    for suffix, opts in pages.items():
-        out = subprocess.run([ncu, "--import", str(report), *opts], capture_output=True, text=True)
+    """The report's raw metrics, details and per-instruction (SASS) pages as gzipped CSV/text,
+    and their summary (``summarize``) as JSON beside them."""
+    pages = {}
+    for suffix, opts in PAGES.items():
+        out = subprocess.run(["ncu", "--import", str(report), *opts], capture_output=True, text=True)
+        pages[suffix] = out.stdout
         path = report.with_name(report.stem + "_" + suffix + ".gz")
         with gzip.open(path, "wt") as f:
             f.write(out.stdout)
         print(f"{path.name}: {len(out.stdout)} chars, rc {out.returncode} {out.stderr[-500:]}", flush=True)
+    path = report.with_name(report.stem + ".json")
+    path.write_text(json.dumps({**run_info(), "kernels": summarize(pages["raw.csv"], pages["source.csv"])}, indent=1))
+    print(f"wrote {path}")
+
+
+def summarize(raw_csv: str, source_csv: str, top: int = 8) -> list[dict]:
+    """One entry per profiled kernel, in launch order: ``METRICS``, the share of the SMs' elapsed
+    cycles they were active (a part-empty last wave shows here), and from the warp-state samples
+    the share of each stall reason and the ``top`` instructions by samples."""
+    raw = list(csv.reader(io.StringIO(raw_csv)))
+    kernels = []
+    for row in raw[2:]:   # (a header row, a units row)
+        m = dict(zip(raw[0], row))
+        num = lambda k: float(m[k].replace(",", ""))  # noqa: E731
+        kernels.append({"name": m["Kernel Name"], **{k: num(v) for k, v in METRICS.items()},
+                        "sm_active_pct": 100 * num("sm__cycles_active.avg") / num("sm__cycles_elapsed.avg")})
+    sections, header = [], None
+    for row in csv.reader(io.StringIO(source_csv)):
+        if row[:1] == ["Kernel Name"]:
+            sections.append([])
+        elif row[:1] == ["Address"]:
+            header = row
+        elif sections and header and len(row) == len(header):
+            sections[-1].append(dict(zip(header, row)))
+    for kernel, insts in zip(kernels, sections):
+        count = lambda i, k: float(i[k]) if i[k] not in ("", "-") else 0.0  # noqa: E731
+        total = sum(count(i, SAMPLES) for i in insts) or 1.0
+        reasons = [k for k in insts[0] if k.startswith("stall_") and "Not Issued" not in k] if insts else []
+        shares = {r[6:]: round(100 * sum(count(i, r) for i in insts) / total, 1) for r in reasons}
+        kernel["stall_pct"] = {r: v for r, v in sorted(shares.items(), key=lambda x: -x[1]) if v >= 0.5}
+        kernel["top_instructions"] = [
+            {"index": j, "sass": i["Source"].strip(), "samples_pct": round(100 * count(i, SAMPLES) / total, 1),
+             "executed": int(count(i, "Instructions Executed")),
+             "reasons": {r[6:]: int(count(i, r)) for r in reasons if count(i, r) >= 0.1 * count(i, SAMPLES) > 0}}
+            for j, i in sorted(enumerate(insts), key=lambda x: -count(x[1], SAMPLES))[:top]]
+    return kernels
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--export", type=Path, help="write the CSV pages of this ncu report, then exit")
+    ap.add_argument("--export", type=Path, help="write the CSV pages of this ncu report and their summary, then exit")
+    ap.add_argument("--summarize", type=Path, nargs=2, metavar=("RAW_CSV_GZ", "SOURCE_CSV_GZ"),
+                    help="print the summary of exported pages as JSON, then exit")
     args = ap.parse_args()
     if args.export:
         export(args.export)
+        return
+    if args.summarize:
+        print(json.dumps(summarize(*(gzip.open(p, "rt").read() for p in args.summarize)), indent=1))
         return
     cases = args.cases.split(",")
     if unknown := set(cases) - set(CASES):

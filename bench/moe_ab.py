@@ -10,6 +10,8 @@ alone), then GPU busy time per call (profiler trace over six calls, no host gaps
 kernel's µs.
 
     OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8,w8a8-ws] main=../.probe/main new=.   # $OUT/moe_ab.json
+
+(``--formats w8a8-ws@256,w8a8-ws@1024``: a format's configs at those tokens per expert only.)
 """
 import json
 import os
@@ -73,7 +75,7 @@ def one_tree(formats: list[str]) -> list[dict]:
     rows = []
     for (group, t), pairs in CONFIGS.items():
         fmt = group.split("-")[0]   # ("w8a8-ws": W8A8's warp-specialised configs)
-        if group not in formats or (fmt == "w8a8" and w8a8_rows is None):
+        if (group not in formats and f"{group}@{t}" not in formats) or (fmt == "w8a8" and w8a8_rows is None):
             continue
         qs = [quantizers[fmt](w) for w in (w1, w3, w2)]
         x = jax.random.normal(jax.random.fold_in(keys[3], t), (E * t, D), jnp.bfloat16)
