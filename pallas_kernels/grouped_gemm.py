@@ -106,7 +106,6 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.ptx import FIRST_FREE_BARRIER, warpgroup_turns
 from pallas_kernels.fp4 import (BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order,
                                 pow2_from_exponent)
 
@@ -521,15 +520,10 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def w8a8_products(x_smem, w_smem, turns=None):
-        """W8A8: one step's wgmmas into fresh accumulators, awaited; their values. ``turns``:
-        the warpgroup's ``(wait_turn, pass_turn)``, around the issue."""
+    def w8a8_products(x_smem, w_smem):
+        """W8A8: one step's wgmmas into fresh accumulators, awaited; their values."""
         def run(*parts):
-            if turns:
-                turns[0]()
             mma(parts, x_smem, w_smem)
-            if turns:
-                turns[1]()
             plgpu.wgmma_wait(0)
             return [p[...] for p in parts]
         return pl.run_scoped(run, *acc_shapes)
@@ -728,10 +722,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
         # this warpgroup's part of each step's tiles, and of the output tile
         my_rows, my_cols = (wg * bm, 0) if cfg.split == "m" else (0, wg * bc)
-        # W8A8: the two compute warpgroups take turns to issue their wgmmas, so that one's
-        # promotion runs while the other's wgmmas do (without turns they run in lockstep and
-        # the tensor cores idle through both promotions: 40% busy on the H200 by ncu)
-        turns = warpgroup_turns(FIRST_FREE_BARRIER) if w8a8 and cfg.compute_wgs == 2 and interpret is None else None
 
         def my_part(w_tile):
             return w_tile if cfg.split == "m" else (w_tile.at[:, pl.ds(my_cols, bc)] if kn
@@ -766,8 +756,8 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         *w_smem, accs = rest
                         tiles = [my_part(t) for t in w_smem]
                         if w8a8:   # (``accs``: the fp32 sums, values)
-                            return w8a8_promoted(accs, w8a8_products(x_smem, tiles, turns), act[0].at[wg],
-                                                 fp8[0].at[wg], idx[0] * bk // 128)
+                            return w8a8_promoted(accs, w8a8_products(x_smem, tiles), act[0].at[wg], fp8[0].at[wg],
+                                                 idx[0] * bk // 128)
                         if scales:
                             tiles = dequantized(tiles, w, fp8[0].at[wg], None if a_in_registers else fp8[2].at[wg],
                                                 idx[0])
@@ -791,12 +781,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                                                    pl.ds(ni * bn + my_cols, bc)], s_smem,
                                   tile_factors(expert, ni, w_gmem))
                         if w8a8:
-                            if turns:   # warpgroup 1 passes the first turn; 0 takes the one left
-                                pl.when(wg == 1)(turns[1])
-                            sums = body(w8a8_zeros())
-                            if turns:
-                                pl.when(wg == 0)(turns[0])
-                            finish(list(sums))
+                            finish(list(body(w8a8_zeros())))
                             return
 
                         def scope(*accs):

@@ -157,7 +157,6 @@ from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.ptx import ptx
 
 HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
 BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used by the fp8 dequant is 64 rows)
@@ -380,6 +379,10 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
 # landed, so the producer never waits for its own copies and the compute warpgroups start
 # on a chunk the moment its last row is in. (Pallas barriers cannot be handed to inline
 # Mosaic GPU code, hence these few lines of PTX.)
+def _ptx(asm, *args):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), list(args), asm, ",".join("r" * len(args)), has_side_effects=True)
+
+
 def _init_full_barriers(ctx, bars):
     """All threads: thread 0 initialises the slots' barriers for 128 arrivals and the zero word
     after them (see ``sparse_mqa``); then a CTA sync."""
@@ -391,23 +394,23 @@ def _init_full_barriers(ctx, bars):
     base = mgpu_utils.memref_ptr(bars)
     for k in range(SLOTS):
         ptr = mgpu_utils.getelementptr(base, [8 * k], ir.IntegerType.get_signless(8))
-        ptx(f"{{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP}; }}", ptr, tid)
+        _ptx(f"{{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP}; }}", ptr, tid)
     ptr = mgpu_utils.getelementptr(base, [8 * SLOTS], ir.IntegerType.get_signless(8))   # the zero word
-    ptx("{ .reg .pred p; setp.eq.u32 p, $1, 0; @p st.shared.u32 [$0], 0; }", ptr, tid)
-    ptx("fence.mbarrier_init.release.cluster;")
-    ptx("bar.sync 0;")
+    _ptx("{ .reg .pred p; setp.eq.u32 p, $1, 0; @p st.shared.u32 [$0], 0; }", ptr, tid)
+    _ptx("fence.mbarrier_init.release.cluster;")
+    _ptx("bar.sync 0;")
 
 
 def _arrive_on_landing(ctx, bar):
     """This thread arrives on ``bar`` once all its cp.async copies so far have landed."""
     del ctx
-    ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", mgpu_utils.memref_ptr(bar))
+    _ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", mgpu_utils.memref_ptr(bar))
 
 
 def _wait_parity(parity: int):
     def wait(ctx, bar):
         del ctx
-        ptx("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], "
+        _ptx("{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], "
              f"{parity}; @done bra DONE; bra WAIT; DONE: }}", mgpu_utils.memref_ptr(bar))
     return wait
 
