@@ -9,17 +9,21 @@ profiles exactly that call's kernels:
 - ``attn-decode-256``, ``attn-prefill-4096``: ``sparse_mqa`` at ``attention_gpu.py``'s shapes
   (bf16 pools, the automatic grid);
 - ``moe-256``, ``moe-1024``: the bf16 expert stage at ``moe_gpu.py``'s shapes (6 experts,
-  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum (cuBLAS);
+  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum;
   ``moe-w8a8-1024``: the W8A8 kernels there (fp8 weights and rows, ``h`` requantised by XLA).
 
 On the device (Firecracker machines; ``--clock-control none`` leaves the clocks alone):
 
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform ncu --profile-from-start off --set full \\
-        --clock-control none -f -o $OUT/counters python3 bench/kernel_counters.py
-    python3 bench/kernel_counters.py --export $OUT/counters.ncu-rep   # CSV pages beside it, gzipped
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \\
+        ncu --profile-from-start off --set full --clock-control none -f -o $OUT/counters \\
+        python3 bench/kernel_counters.py
+    python3 bench/kernel_counters.py --export $OUT/counters.ncu-rep   # gzipped pages + JSON summary
 
-(The platform allocator gives each buffer its own allocation: ncu saves and restores the
-memory a replayed kernel can write, and XLA's default pool is most of the GPU.)
+The platform allocator gives each buffer its own allocation: ncu saves and restores the memory
+a replayed kernel can write, and XLA's default pool is most of the GPU. With XLA's autotuning
+on, the process segfaulted under ncu before the einsum's and the W8A8 case's first profiled
+kernel (JAX 0.11.2, ncu 2025.3.1); with it off the einsum runs XLA's untuned Triton GEMMs,
+which are not the cuBLAS peer: time that peer with ``moe_gpu.py``.
 ``--smoke``: tiny shapes in the Mosaic GPU interpreter, no profiler (CPU).
 """
 from __future__ import annotations

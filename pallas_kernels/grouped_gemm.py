@@ -61,10 +61,14 @@ that 128-column block (loaded once per CTA) and the weight block's relative scal
 fp32 sums carried through the pipeline (DeepGEMM's promotion). Both the sums and the step's
 product are live, so one warpgroup's tiles stay small (64 weight rows x 64 rows, or 128 x 32).
 Warp specialised (``split="n"``), each of two compute warpgroups promotes its own 64 weight rows
-of a 128-wide tile against the shared rows, so one's scaling overlaps the other's wgmmas, as in
-DeepGEMM (its own copy of the rows' scales). On the H200 that gate/up kernel is 4-6% faster
-than one warpgroup's from 256 rows per expert; the down kernel is 5% faster with 128-row tiles
-(an fp8 wgmma N of 128; balanced loads) and 34% slower with 64. The output is
+of a 128-wide tile against the shared rows (its own copy of the rows' scales). On the H200 that
+gate/up kernel is 4-6% faster than one warpgroup's from 256 rows per expert, yet its tensor
+cores are busy only 40% of the time (ncu, 1024 rows per expert): each step waits for its own
+wgmmas before promoting them, and the warpgroups run in lockstep. Making them take turns
+(FlashAttention-3's ping-pong on named barriers) was 7-10% slower; what is left to try is two
+step accumulators, so that a step's promotion runs while the next step's wgmmas do
+(bench/RESULTS.md). The warp-specialised down kernel is 5% faster than one warpgroup's with
+128-row tiles (an fp8 wgmma N of 128; balanced loads) and 34% slower with 64. The output is
 bf16, or, with ``fp8_out`` and 128-wide tiles (one scale block of ``h``), ``Fp8Rows``
 quantised in the epilogue: a row's amax across the warpgroup, the scale from its bits, e4m3
 stored through an f16 staging tile (8-bit values have no transposed register layout). On the

@@ -102,7 +102,13 @@ a chunk's cost is unchanged). Overlapping one chunk's softmax with the next chun
 slot, and the kernel already uses 226 of 227 KB; smaller chunks in more slots pay more than
 the overlap gains (branch ``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
 in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them
-is not the cost.
+is not the cost. Nsight Compute agrees (bench/RESULTS.md): the tensor pipe is busy 33-34% of
+the cycles at decode and prefill, and the compute warps' stall samples in the key loop sit at
+the first exchange barrier (17%: the two warpgroups' QK^T share the tensor cores, so one waits
+for the other's), on P @ V's and QK^T's completion (14% and 6.5%), and on the shared-memory
+loads of the row ids and the zero word (11%). Reading those while QK^T runs, and a named
+barrier for the exchange, moved the stalls without making a chunk shorter (branch
+``ids-named-barrier``).
 
 Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel
 (``csrc/sm90/prefill/sparse``, the same problem at D = 512: 64 heads per CTA, 64-key blocks,
