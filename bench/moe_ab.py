@@ -9,7 +9,7 @@ rows: W8A8's ``rel_err`` includes ``h``'s fp8 rounding, ``rel_err_h`` is the gat
 alone), then GPU busy time per call (profiler trace over six calls, no host gaps) and each
 kernel's µs.
 
-    OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8,w8a8-ws] main=../.probe/main new=.   # $OUT/moe_ab.json
+    OUT=... python3 bench/moe_ab.py [--formats fp8,mxfp4,w8a8,w8a8-ws,w8a8-deep] main=../.probe/main new=.
 
 (``--formats w8a8-ws@256,w8a8-ws@1024``: a format's configs at those tokens per expert only.)
 """
@@ -50,6 +50,12 @@ CONFIGS = {
     ("w8a8-ws", 256): [((64, 128, 128, 4, 2, "n"), (64, 128, 128, 3)),
                        ((64, 128, 128, 4, 2, "n"), (128, 128, 128, 3, 2, "n")),
                        ((64, 128, 128, 4, 2, "n"), (128, 128, 128, 4, 2, "n"))],
+    # 256-deep steps (two scale blocks: the first promoted while the second's wgmmas run), both
+    # kernels, then the gate/up kernel alone beside mega.moe's down
+    ("w8a8-deep", 256): [((64, 128, 256, 2, 2, "n"), (64, 128, 256, 3)),
+                         ((64, 128, 256, 2, 2, "n"), (64, 128, 128, 3))],
+    ("w8a8-deep", 1024): [((64, 128, 256, 2, 2, "n"), (64, 128, 256, 3)),
+                          ((64, 128, 256, 2, 2, "n"), (64, 128, 128, 3))],
     ("w8a8-ws", 1024): [((64, 128, 128, 4, 2, "n"), (64, 128, 128, 3)),
                         ((64, 128, 128, 4, 2, "n"), (128, 128, 128, 3, 2, "n")),
                         ((64, 128, 128, 4, 2, "n"), (128, 128, 128, 4, 2, "n")),

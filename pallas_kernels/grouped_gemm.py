@@ -65,9 +65,11 @@ of a 128-wide tile against the shared rows (its own copy of the rows' scales). O
 gate/up kernel is 4-6% faster than one warpgroup's from 256 rows per expert, yet its tensor
 cores are busy only 40% of the time (ncu, 1024 rows per expert): each step waits for its own
 wgmmas before promoting them, and the warpgroups run in lockstep. Making them take turns
-(FlashAttention-3's ping-pong on named barriers) was 7-10% slower; what is left to try is two
-step accumulators, so that a step's promotion runs while the next step's wgmmas do
-(bench/RESULTS.md). The warp-specialised down kernel is 5% faster than one warpgroup's with
+(FlashAttention-3's ping-pong on named barriers) was 7-10% slower (bench/RESULTS.md). With
+``block_k`` 256 a step spans two scale blocks: its wgmmas go to two sets of accumulators, and
+the first set is promoted while the second's wgmmas run (192 registers of the 232 a
+warp-specialised compute warpgroup has). Correct in the interpreter and lowered at V4.1's
+shapes; not yet timed on the GPU, so ``mega.moe`` does not use it. The warp-specialised down kernel is 5% faster than one warpgroup's with
 128-row tiles (an fp8 wgmma N of 128; balanced loads) and 34% slower with 64. The output is
 bf16, or, with ``fp8_out`` and 128-wide tiles (one scale block of ``h``), ``Fp8Rows``
 quantised in the epilogue: a row's amax across the warpgroup, the scale from its bits, e4m3
@@ -344,10 +346,12 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
     quantized = fp4 or any(isinstance(w, QuantizedWeight) for w in weights)
     ws = cfg.compute_wgs > 1
     w8a8 = isinstance(lhs, Fp8Rows)
-    if w8a8 and (not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab or 128 % bk):
+    if w8a8 and (not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab
+                 or bk not in (32, 64, 128, 256)):
         raise NotImplementedError("fp8 activations (Fp8Rows): fp8 weights in every stack, swapped tiles "
-                                  "(swap_ab), block_k dividing 128")
-    if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or 128 % bk or n % 128 or k % 128):
+                                  "(swap_ab), block_k 32 to 256 (at most two scale blocks a step)")
+    if quantized and not fp4 and ((ws and cfg.split != "n") or 128 % bn or (128 % bk and not w8a8)
+                                  or n % 128 or k % 128):
         raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
     if ws and len({w.dtype if not isinstance(w, QuantizedWeight) else "fp8" for w in weights}) > 1:
         # (its pipeline buffers are allocated once, from the first stack's tiles)
@@ -524,13 +528,25 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             else:
                 plgpu.wgmma(acc, x_smem, w if kn else transposed(w))
 
-    def w8a8_products(x_smem, w_smem):
-        """W8A8: one step's wgmmas into fresh accumulators, awaited; their values."""
+    def w8a8_step(sums, x_smem, w_smem, row_scales, w_scales, step):
+        """W8A8: step ``step``'s wgmmas into fresh accumulators, one set per 128-column scale block
+        the step spans (two when ``block_k`` is 256), then each set, once done, promoted into the
+        ``sums`` (``w8a8_promoted``): the first set's promotion runs while the second's wgmmas do."""
+        sets = max(1, bk // 128)
+        width = bk // sets
+
         def run(*parts):
-            mma(parts, x_smem, w_smem)
-            plgpu.wgmma_wait(0)
-            return [p[...] for p in parts]
-        return pl.run_scoped(run, *acc_shapes)
+            for i in range(sets):
+                cols = pl.ds(i * width, width)
+                mma(parts[i * n_ops:(i + 1) * n_ops], x_smem.at[cols] if x_km else x_smem.at[:, cols],
+                    [w.at[:, cols] for w in w_smem])
+            out = sums
+            for i in range(sets):   # (each wgmma is its own group: the later sets' may stay in flight)
+                done = [plgpu.wgmma_accumulator_load(a, wait_n=n_ops * (sets - 1 - i))
+                        for a in parts[i * n_ops:(i + 1) * n_ops]]
+                out = w8a8_promoted(out, done, row_scales, w_scales, step * bk // 128 + i)
+            return out
+        return pl.run_scoped(run, *acc_shapes * sets)
 
     def w8a8_promoted(sums, parts, row_scales, w_scales, block):
         """W8A8: the ``sums`` plus a step's products times their rows' scales for this
@@ -632,7 +648,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                 def step(idx, x, *rest):
                     *w_smem, sums = rest
-                    return w8a8_promoted(sums, w8a8_products(x, w_smem), row_scales, w_scales, idx[0] * bk // 128)
+                    return w8a8_step(sums, x, w_smem, row_scales, w_scales, idx[0])
                 return plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
                                            max_concurrent_steps=cfg.stages,
                                            init_carry=w8a8_zeros())(lhs_gmem, *w)
@@ -760,8 +776,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                         *w_smem, accs = rest
                         tiles = [my_part(t) for t in w_smem]
                         if w8a8:   # (``accs``: the fp32 sums, values)
-                            return w8a8_promoted(accs, w8a8_products(x_smem, tiles), act[0].at[wg], fp8[0].at[wg],
-                                                 idx[0] * bk // 128)
+                            return w8a8_step(accs, x_smem, tiles, act[0].at[wg], fp8[0].at[wg], idx[0])
                         if scales:
                             tiles = dequantized(tiles, w, fp8[0].at[wg], None if a_in_registers else fp8[2].at[wg],
                                                 idx[0])

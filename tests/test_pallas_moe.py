@@ -130,8 +130,10 @@ def test_fp8_rows_rounded_matches_the_stored_form(rng):
 
 
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 64, 128, 2, swap_ab=True), GemmConfig(24, 128, 64, 3, swap_ab=True),
-                                 GemmConfig(16, 128, 64, 3, compute_wgs=2, split="n", swap_ab=True)],
-                         ids=["128-deep", "64-deep", "warp-specialised"])
+                                 GemmConfig(16, 128, 64, 3, compute_wgs=2, split="n", swap_ab=True),
+                                 GemmConfig(16, 64, 256, 2, swap_ab=True),
+                                 GemmConfig(16, 128, 256, 2, compute_wgs=2, split="n", swap_ab=True)],
+                         ids=["128-deep", "64-deep", "warp-specialised", "256-deep", "warp-specialised-256-deep"])
 def test_fp8_activations_match_reference(cfg, rng):
     """W8A8: fp8 rows (a scale per row per 128 columns) times fp8 routed and shared experts,
     with routing weights; the references take the dequantised rows, and ``h`` is requantised
@@ -309,6 +311,8 @@ def fp8_sds(shape):
     (GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(32, 128, 128, 4, 2, "n", swap_ab=True), "w8a8"),
     # the benches' down tiles of 128 rows (an fp8 wgmma N of 128) beside 64-row gate/up tiles
     (GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(128, 128, 128, 3, 2, "n", swap_ab=True), "w8a8"),
+    # 256-deep steps: two scale blocks, the first promoted while the second's wgmmas run
+    (GemmConfig(64, 128, 256, 2, 2, "n", swap_ab=True), GemmConfig(64, 128, 256, 3, swap_ab=True), "w8a8"),
 ])
 def test_kernels_lower_for_cuda_at_v41_shapes(up, down, fmt):
     """Mosaic GPU lowering at V4.1-Flash expert shapes (hidden 5120, intermediate 2304):
