@@ -1,4 +1,4 @@
-"""Hardware counters of our kernels and their peers, under Nsight Compute: where a kernel's
+"""Hardware counters of our kernels under Nsight Compute: where a kernel's
 cycles go (tensor-pipe activity, warp stall reasons, shared-memory and DRAM traffic), where
 the timing benches can only remove stages and take differences.
 
@@ -9,8 +9,8 @@ profiles exactly that call's kernels:
 - ``attn-decode-256``, ``attn-prefill-4096``: ``sparse_mqa`` at ``attention_gpu.py``'s shapes
   (bf16 pools, the automatic grid);
 - ``moe-256``, ``moe-1024``: the bf16 expert stage at ``moe_gpu.py``'s shapes (6 experts,
-  balanced), ``mega.moe``'s kernels at its configs for that size, and the XLA einsum;
-  ``moe-w8a8-1024``: the W8A8 kernels there (fp8 weights and rows, ``h`` requantised by XLA).
+  balanced), ``mega.moe``'s kernels at the configs it picks for that size; ``moe-w8a8-1024``:
+  the W8A8 kernels there (fp8 weights and rows).
 
 On the device (Firecracker machines; ``--clock-control none`` leaves the clocks alone):
 
@@ -21,9 +21,9 @@ On the device (Firecracker machines; ``--clock-control none`` leaves the clocks 
 
 The platform allocator gives each buffer its own allocation: ncu saves and restores the memory
 a replayed kernel can write, and XLA's default pool is most of the GPU. With XLA's autotuning
-on, the process segfaulted under ncu before the einsum's and the W8A8 case's first profiled
-kernel (JAX 0.11.2, ncu 2025.3.1); with it off the einsum runs XLA's untuned Triton GEMMs,
-which are not the cuBLAS peer: time that peer with ``moe_gpu.py``.
+on, the process segfaulted under ncu before the first profiled kernel of a case with XLA
+fusions (JAX 0.11.2, ncu 2025.3.1). With it off an XLA einsum runs untuned Triton GEMMs, not
+cuBLAS, so the peers are not profiled here: ``moe_gpu.py`` times them.
 ``--smoke``: tiny shapes in the Mosaic GPU interpreter, no profiler (CPU).
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import functools
 import gzip
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_gpu  # noqa: E402
 from gpu_common import run_info  # noqa: E402
 
-from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul,  # noqa: E402
-                                         grouped_swiglu, swiglu_f32)
+from pallas_kernels.grouped_gemm import Fp8Rows, QuantizedWeight, grouped_matmul, grouped_swiglu  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
-from mega.moe import aligned_layout  # noqa: E402
+from mega.moe import _kernel_configs, aligned_layout  # noqa: E402
 
 CASES = ("attn-decode-256", "attn-prefill-4096", "moe-256", "moe-1024", "moe-w8a8-1024")
 LIMIT = 10.0   # SwiGLU clamp, as moe_gpu.py
@@ -84,26 +84,19 @@ def moe_case(t, smoke, w8a8=False):
     xs = jax.random.normal(keys[0], (e * t, d), jnp.bfloat16)
     w1, w3 = (jax.random.normal(k, (e, i, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
     w2 = jax.random.normal(keys[3], (e, d, i), jnp.bfloat16) * i ** -0.5
-    # mega.moe's configs from 128 (bf16) or 256 (W8A8) rows per expert (its _kernel_configs)
-    up_cfg, down_cfg = ((GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True))
-                        if w8a8 else
-                        (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)))
+    up_cfg, down_cfg = _kernel_configs(xs, e * t, e, d, i, "w8a8" if w8a8 else "bf16")   # what mega.moe runs
     gs = jnp.full((e,), t, jnp.int32)
     dest, block_expert, m_pad = aligned_layout(gs, e * t, up_cfg.rows, e)
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)
     up = functools.partial(grouped_swiglu, limit=LIMIT, cfg=up_cfg, interpret=interpret)
     down = functools.partial(grouped_matmul, cfg=down_cfg, interpret=interpret)
-    if w8a8:
+    if w8a8:   # h quantised by the gate/up epilogue where its config can, else by XLA (as mega.moe)
+        fused = up_cfg.quantizes_h
         quantized = [QuantizedWeight.from_float(w) for w in (w1, w3, w2)]
-        ours = jax.jit(lambda x, a, b, c, be: down(Fp8Rows.from_float(up(x, a, b, be)), c, be))
+        ours = jax.jit(lambda x, a, b, c, be: down(
+            up(x, a, b, be, fp8_out=True) if fused else Fp8Rows.from_float(up(x, a, b, be)), c, be))
         return {"megajax_w8a8": (ours, (Fp8Rows.from_float(x_al), *quantized, block_expert))}
-    ours = jax.jit(lambda x, a, b, c, be: down(up(x, a, b, be), c, be))
-
-    def glu(hh):
-        return swiglu_f32(hh[..., :i].astype(jnp.float32), hh[..., i:].astype(jnp.float32), LIMIT).astype(jnp.bfloat16)
-    einsum = jax.jit(lambda xp, a, b: jnp.einsum("eti,edi->etd", glu(jnp.einsum("etd,end->etn", xp, a)), b))
-    return {"megajax": (ours, (x_al, w1, w3, w2, block_expert)),
-            "xla_einsum": (einsum, (xs.reshape(e, t, d), jnp.concatenate([w1, w3], axis=1), w2))}
+    return {"megajax": (jax.jit(lambda x, a, b, c, be: down(up(x, a, b, be), c, be)), (x_al, w1, w3, w2, block_expert))}
 
 
 def run(cases, smoke):
@@ -204,6 +197,7 @@ def main():
     if unknown := set(cases) - set(CASES):
         sys.exit(f"unknown case(s) {sorted(unknown)}; known: {', '.join(CASES)}")
     if args.smoke:
+        os.environ["MEGAJAX_KERNELS"] = "interpret"   # (mega.moe's configs are picked for its kernels only)
         from jax._src.pallas.mosaic_gpu.interpret import params as ip
         ip.set_gpu_interpret_mode(ip.InterpretGPUParams())
     print(run_info(), flush=True)
