@@ -153,6 +153,12 @@ LARGE_CONFIGS = [
     (GemmConfig(128, 64, 64, 3, 2, group_m=8), GemmConfig(128, 128, 64, 3, 2, group_m=8)),
     (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
     (GemmConfig(128, 64, 64, 3, 2, group_m=4), GemmConfig(128, 128, 64, 3, 2, group_m=4)),
+    # stream-K: the last, part-empty wave's tiles split along K over all SMs (persistent CTAs);
+    # both kernels, then the gate/up kernel alone beside mega.moe's down
+    (GemmConfig(64, 128, 64, 4, 2, persistent=True, group_m=8, stream_k=True),
+     GemmConfig(64, 256, 64, 3, 2, persistent=True, group_m=8, stream_k=True)),
+    (GemmConfig(64, 128, 64, 4, 2, persistent=True, group_m=8, stream_k=True),
+     GemmConfig(64, 256, 64, 3, 2, group_m=8)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -334,8 +340,10 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 def config_name(prefix, cu, cd):
     split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
-             + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else ""))
+             + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else "")
+             + (" stream-K" if cu.stream_k else ""))
     down = "" if (cd.rows, cd.compute_wgs) == (cu.rows, cu.compute_wgs) else f" {cd.compute_wgs}wg {cd.rows} rows"
+    down += "" if cd.stream_k == cu.stream_k else " down " + ("stream-K" if cd.stream_k else "plain grid")
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}{down}]")
 
@@ -478,6 +486,8 @@ def main():
     ap.add_argument("--from-json", help="only plot an earlier run's JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP block configs")
+    ap.add_argument("--large-only", action="store_true", help="time only the compute-bound sizes' configs "
+                    "(LARGE_CONFIGS, from 128 rows per expert) beside the peers")
     ap.add_argument("--trace", action="store_true", help="also record the GPU time of each kernel of the "
                     "best megajax config and the JAX peers (profiler trace)")
     ap.add_argument("--shared", default="", help="token counts also run with the shared expert (its t rows as "
@@ -487,6 +497,8 @@ def main():
     TRACE = args.trace
     if args.sweep:
         CONFIGS = CONFIGS + SWEEP
+    if args.large_only:
+        CONFIGS, SWAP_CONFIGS = [], []
     if args.smoke:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         E, D, I, INTERPRET = 3, 256, 128, InterpretGPUParams()
