@@ -618,7 +618,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
             transposed(o_smem)[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
         if o_smem.ndim == 2:
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem)
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, o_gmem.shape[0])], o_gmem)  # (fp8_out: 64 rows or more)
             if fp8_out:
                 plgpu.copy_smem_to_gmem(*fp8_refs[:2])
         if not cfg.persistent:
