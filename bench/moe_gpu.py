@@ -32,7 +32,8 @@ and ``timeline``: the GPU's span and busy time per call over nine calls, dispatc
 and three per dispatch (``gpu_common.gpu_timeline``); busy time is what a call costs inside
 the model's one executable per step, where no host dispatch sits between calls.
 
-    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--trace] [--plot results.png]
+    python bench/moe_gpu.py [--tokens 16,64,256,1024,4096] [--shared 16,256] [--trace] [--large-only]
+                            [--plot results.png]
 """
 from __future__ import annotations
 
@@ -153,12 +154,6 @@ LARGE_CONFIGS = [
     (GemmConfig(128, 64, 64, 3, 2, group_m=8), GemmConfig(128, 128, 64, 3, 2, group_m=8)),
     (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
     (GemmConfig(128, 64, 64, 3, 2, group_m=4), GemmConfig(128, 128, 64, 3, 2, group_m=4)),
-    # stream-K: the last, part-empty wave's tiles split along K over all SMs (persistent CTAs);
-    # both kernels, then the gate/up kernel alone beside mega.moe's down
-    (GemmConfig(64, 128, 64, 4, 2, persistent=True, group_m=8, stream_k=True),
-     GemmConfig(64, 256, 64, 3, 2, persistent=True, group_m=8, stream_k=True)),
-    (GemmConfig(64, 128, 64, 4, 2, persistent=True, group_m=8, stream_k=True),
-     GemmConfig(64, 256, 64, 3, 2, group_m=8)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
@@ -340,10 +335,8 @@ def fused_shared_impls(xs, w1, w3, w2, counts):
 
 def config_name(prefix, cu, cd):
     split = (("" if cu.compute_wgs == 1 else f" split {cu.split}") + (" swap" if cu.swap_ab else "")
-             + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else "")
-             + (" stream-K" if cu.stream_k else ""))
+             + (" persistent" if cu.persistent else "") + (f" group {cu.group_m}" if cu.group_m else ""))
     down = "" if (cd.rows, cd.compute_wgs) == (cu.rows, cu.compute_wgs) else f" {cd.compute_wgs}wg {cd.rows} rows"
-    down += "" if cd.stream_k == cu.stream_k else " down " + ("stream-K" if cd.stream_k else "plain grid")
     return (f"{prefix}[{cu.compute_wgs}wg{split}:{cu.block_m}x{cu.block_n}x{cu.block_k}/{cu.stages},"
             f"{cd.block_n}x{cd.block_k}/{cd.stages}{down}]")
 

@@ -68,8 +68,9 @@ wgmmas before promoting them, and the warpgroups run in lockstep. Making them ta
 (FlashAttention-3's ping-pong on named barriers) was 7-10% slower (bench/RESULTS.md). With
 ``block_k`` 256 a step spans two scale blocks: its wgmmas go to two sets of accumulators, and
 the first set is promoted while the second's wgmmas run (192 registers of the 232 a
-warp-specialised compute warpgroup has). Correct in the interpreter and lowered at V4.1's
-shapes; not yet timed on the GPU, so ``mega.moe`` does not use it. The warp-specialised down
+warp-specialised compute warpgroup has). On the H200 that gate/up kernel is no faster than with
+128-deep steps (113-115 against 114-115 µs at 256 rows per expert, 379 against 375-379 at 1024),
+and the one-warpgroup down kernel 13% slower, so ``mega.moe`` keeps 128-deep steps. The warp-specialised down
 kernel is 5% faster than one warpgroup's with 128-row tiles (an fp8 wgmma N of 128; balanced
 loads) and 34% slower with 64. The output is bf16, or, with ``fp8_out`` and 128-wide tiles (one
 scale block of ``h``), ``Fp8Rows`` quantised in the epilogue: a row's amax across the warpgroup,
@@ -96,7 +97,9 @@ fewer distinct tiles, 3-11% faster at 1024-4096 rows per expert on the H200
 (bench/RESULTS.md). ``GemmConfig.persistent`` instead
 runs one warp-specialised CTA per SM over the tiles in the same order; on the H200 it was
 within the call-to-call spread of the plain grid (bench/RESULTS.md), so ``mega.moe`` keeps
-the plain grid.
+the plain grid. Splitting the part-empty last wave's tiles along K over all SMs (stream-K,
+commit ``ea045bd``) kept the SMs busy 94% of the time instead of 79% at 256 rows per expert,
+but the clock fell with the power drawn and the kernel was 3% slower, so it was reverted.
 """
 from __future__ import annotations
 
@@ -137,11 +140,6 @@ class GemmConfig:
     run the epilogue, whose store overlaps the next tile's main loop, and no CTA pays a launch
     and a pipeline fill per tile.
 
-    ``stream_k`` (persistent only) runs the full waves of tiles as above and splits the last,
-    part-empty wave's tiles along K over all the CTAs, each CTA an equal run of steps
-    (stream-K, Osama et al. 2023): a tile's earlier steps leave fp32 partial sums in a global
-    workspace, and the CTA that runs its last steps adds them and runs the epilogue.
-
     ``group_m`` > 0 orders the tiles in bands of that many row blocks, column blocks outer and
     row blocks inner within a band (Triton's grouped order), so the CTAs that run together
     share fewer weight and activation tiles' worth of L2; 0: column blocks fastest over all rows.
@@ -157,7 +155,6 @@ class GemmConfig:
     swap_ab: bool = False
     persistent: bool = False
     group_m: int = 0
-    stream_k: bool = False
 
     def __post_init__(self):
         if self.split not in ("m", "n") or (self.split == "n" and self.block_n % self.compute_wgs):
@@ -170,8 +167,6 @@ class GemmConfig:
             raise ValueError(f"group_m is a number of row blocks, or 0: {self}")
         if self.persistent and self.compute_wgs == 1:
             raise ValueError(f"persistent needs warp specialisation (compute_wgs > 1): {self}")
-        if self.stream_k and not self.persistent:
-            raise ValueError(f"stream_k needs persistent CTAs: {self}")
 
     def tile_of(self, i, m_blocks: int, n_blocks: int):
         """(row block, column block) of the ``i``-th tile in the grid order."""
@@ -366,8 +361,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         raise NotImplementedError("warp-specialised tiles need every weight of one kind (fp8 or bf16)")
     if quantized and cfg.persistent:  # (deadlocks in the Mosaic GPU interpreter; cause not found)
         raise NotImplementedError("fp8 weights with persistent CTAs")
-    if cfg.stream_k and k // bk < cfg.stages:  # (a split tile's pipeline keeps every stage)
-        raise ValueError(f"stream_k needs at least {cfg.stages} steps (stages) along K, got {k // bk}")
     if fp8_out and not cfg.quantizes_h:
         raise NotImplementedError("fp8 output (Fp8Rows): swapped tiles, one compute warpgroup, block_n 128 "
                                   "(a tile's columns are one scale block)")
@@ -523,12 +516,11 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 out[(idx[0], 4 * idx[1] + i, *idx[2:])] = pair
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-    def in_specs(mi, ni, delay_release, k0=0):
-        """The pipelined operands' blocks at step ``s`` (K block ``s + k0``)."""
-        w_spec = plgpu.BlockSpec(tile, (lambda s: (s + k0, ni)) if kn else (lambda s: (ni, s + k0)),
+    def in_specs(mi, ni, delay_release):
+        w_spec = plgpu.BlockSpec(tile, (lambda s: (s, ni)) if kn else (lambda s: (ni, s)),
                                  delay_release=delay_release)
-        x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s + k0, mi), delay_release=delay_release)
-                  if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s + k0), delay_release=delay_release))
+        x_spec = (plgpu.BlockSpec((bk, rows), lambda s: (s, mi), delay_release=delay_release)
+                  if x_km else plgpu.BlockSpec((rows, bk), lambda s: (mi, s), delay_release=delay_release))
         fp4_specs = [plgpu.BlockSpec((bk // FP4_BLOCK, bn), lambda s: (s, ni), delay_release=delay_release)]
         return [x_spec] + [w_spec] * n_ops + fp4_specs * n_ops * fp4
 
@@ -741,14 +733,13 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 with_accs(scope)
 
     def warp_specialized_body(block_expert_gmem, lhs_gmem, *refs):
-        refs, partials_gmem = (refs[:-1], refs[-1]) if cfg.stream_k else (refs, None)
         scale_gmem, w_gmem, out_gmem = (refs[0] if scaled else None), refs[scaled + w8a8:-1], refs[-1]
         act_gmem = refs[scaled] if w8a8 else None
         wg = jax.lax.axis_index("wg")
 
-        def pipeline(step, context, mi, ni, k0=0, n_steps=steps):
+        def pipeline(step, context, mi, ni):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(n_steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0, k0),
+                step, grid=(steps,), memory_registers=40, in_specs=in_specs(mi, ni, 0),
                 wg_axis="wg", num_compute_wgs=cfg.compute_wgs, max_concurrent_steps=cfg.stages,
                 compute_context=context)
 
@@ -758,63 +749,6 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         def my_part(w_tile):
             return w_tile if cfg.split == "m" else (w_tile.at[:, pl.ds(my_cols, bc)] if kn
                                                     else w_tile.at[pl.ds(my_cols, bc)])
-
-        # stream-K: per tail tile and warpgroup, the partial sums handed over (one array for the
-        # grid, zeroed by Pallas before each launch; each wait takes its count back to zero)
-        sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((n_tiles - whole, cfg.compute_wgs)))
-                if whole < n_tiles and interpret is None else None)
-
-        def stream_k_tail(tile):
-            """Tiles ``whole`` on (less than a wave), split along K: the tail's steps, tile
-            after tile, in equal runs over the CTAs (``sk_ctas``). A run spans at most two tiles
-            (it is shorter than one): the end of a tile, then the start of the next. It runs the
-            next tile's start first, leaving its partial sums in ``partials_gmem`` (one slot per
-            CTA and warpgroup), then the end of its tile, whose earlier runs' sums it adds before
-            the epilogue: so a CTA waits only in its last run, for runs that others ran first."""
-            cta = jax.lax.axis_index("sm")
-            total = (n_tiles - whole) * steps
-            start, stop = cta * total // sk_ctas, (cta + 1) * total // sk_ctas
-
-            def owner(s):   # the CTA whose run holds tail step s
-                return ((s + 1) * sk_ctas - 1) // total
-
-            def part(t, lo, hi):
-                def fix_up(sums, finish):
-                    sem = sems.at[t, wg] if sems is not None else None
-
-                    @pl.when(hi < steps)   # the tile's later steps are another CTA's: hand over
-                    def _():
-                        for j, v in enumerate(sums):
-                            if interpret is None:
-                                partials_gmem.at[cta, wg, j][...] = v
-                            else:
-                                partials_gmem[cta, wg, j] = v
-                        if sem is not None:
-                            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-
-                    @pl.when(hi == steps)   # the tile's last steps: add the earlier runs' sums
-                    def _():
-                        first = owner(t * steps)
-                        if sem is not None:   # (the interpreter runs CTAs in order: no wait)
-                            plgpu.semaphore_wait(sem, cta - first, memory_scope="gpu")
-
-                        def add(c, acc):
-                            return tuple(a + (plgpu.load(partials_gmem.at[c, wg, j], (), layout=plgpu.Layout.WGMMA,
-                                                         optimized=False)
-                                              if interpret is None else partials_gmem[c, wg, j])
-                                         for j, a in enumerate(acc))
-                        finish(list(jax.lax.fori_loop(first, cta, add, tuple(sums))))
-                tile(*cfg.tile_of(whole + t, m // rows, n // bn), lo, hi - lo, fix_up)
-
-            t0, t1 = start // steps, (stop - 1) // steps
-
-            @pl.when((cta < sk_ctas) & (t1 > t0))
-            def _():
-                part(t1, 0, stop - t1 * steps)
-
-            @pl.when(cta < sk_ctas)
-            def _():
-                part(t0, start - t0 * steps, jnp.minimum(stop - t0 * steps, steps))
 
         unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body or tile)
         shapes = (lhs_gmem, *(w.at[0] for w in w_gmem[:n_ops]))  # every stack's tiles are alike
@@ -837,9 +771,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs)) if w8a8 else None,
                            collective_axes="wg")
         def _(allocs, o_smem, fp8, row_scales, act):
-            def tile(mi, ni, k0=0, n_steps=steps, fix_up=None):
-                """Output tile (mi, ni) from its K steps ``[k0, k0 + n_steps)``; ``fix_up(sums,
-                finish)`` (stream-K) takes over the epilogue of a tile run in parts."""
+            def tile(mi, ni):
                 expert = block_expert_gmem[mi]
 
                 def run(w, scales):
@@ -876,43 +808,32 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
 
                         def scope(*accs):
                             body(accs)
-                            (fix_up or (lambda sums, f: f(sums)))([a[...] for a in accs], finish)
+                            finish([a[...] for a in accs])
                         pl.run_scoped(scope, *acc_shapes)
 
-                    pipeline(step, context, mi, ni, k0, n_steps)(lhs_gmem, *w, allocations=allocs)
+                    pipeline(step, context, mi, ni)(lhs_gmem, *w, allocations=allocs)
 
                 per_stack(expert, w_gmem, run)
 
-            if not cfg.persistent:
-                tile(*grid_tile())
-                return
-            if whole:   # this CTA's share of the full waves' tiles, in the grid order
-                @plgpu.nd_loop((whole,), collective_axes="sm")
+            if cfg.persistent:  # this CTA's share of the tiles, in the grid order
+                @plgpu.nd_loop((m // rows * (n // bn),), collective_axes="sm")
                 def _(info):
                     tile(*cfg.tile_of(info.index[0], m // rows, n // bn))
-            if whole < n_tiles:
-                stream_k_tail(tile)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            else:
+                tile(*grid_tile())
 
-    n_tiles = m // rows * (n // bn)
-    n_ctas = _num_sms() if cfg.stream_k else min(_num_sms(), n_tiles)
-    whole = n_tiles - n_tiles % n_ctas if cfg.stream_k else n_tiles   # tiles in full waves
-    sk_ctas = min(n_ctas, (n_tiles - whole) * steps)   # (each with one step or more of the tail)
     kernel = plgpu.kernel(
         warp_specialized_body if ws else simple_body,
         out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((n // 128, m), jnp.float32))
-        if fp8_out else (jax.ShapeDtypeStruct((m, n), out_dtype),   # stream-K: and the partial sums handed over
-                         jax.ShapeDtypeStruct((n_ctas, cfg.compute_wgs, n_ops, *acc_shapes[0].shape), jnp.float32))
-        if cfg.stream_k else jax.ShapeDtypeStruct((m, n), out_dtype),
-        **({"grid": (n_ctas,), "grid_names": ("sm",)} if cfg.persistent
+        if fp8_out else jax.ShapeDtypeStruct((m, n), out_dtype),
+        **({"grid": (min(_num_sms(), m // rows * (n // bn)),), "grid_names": ("sm",)} if cfg.persistent
            else {"grid": (m // rows, n // bn), "grid_names": ("m", "n")}),
         **({"num_threads": cfg.compute_wgs + 1, "thread_name": "wg"} if ws else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}))
     out = kernel(block_expert, lhs, *((row_scale.astype(jnp.float32),) if scaled else ()),
                  *((act_scale,) if w8a8 else ()), *flat)
-    if cfg.stream_k:
-        out = out[0]
     return Fp8Rows(*out) if fp8_out else out
 
 

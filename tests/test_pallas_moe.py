@@ -286,6 +286,8 @@ def fp8_sds(shape):
     (GemmConfig(128, 64, 64, 3, 2, persistent=True), GemmConfig(128, 128, 64, 3, 2, persistent=True), "bf16"),
     (GemmConfig(64, 128, 64, 4, 2, persistent=True), GemmConfig(64, 256, 64, 4, 2, persistent=True), "bf16"),
     (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8), "bf16"),   # from 128 rows
+    # widths no multiple of 64: each warpgroup stores its rows of the tile whole (moe_gpu's LARGE_CONFIGS)
+    (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 160, 64, 4, 2, persistent=True), "bf16"),
     # fp8: tiles within a 128 x 128 scale block; two warpgroups split its columns
     (GemmConfig(64, 128, 64, 4), GemmConfig(64, 128, 64, 4), "fp8"),
     (GemmConfig(64, 128, 64, 4, 2, "n"), GemmConfig(64, 128, 64, 4, 2, "n"), "fp8"),
