@@ -154,6 +154,12 @@ LARGE_CONFIGS = [
     (GemmConfig(128, 64, 64, 3, 2, group_m=8), GemmConfig(128, 128, 64, 3, 2, group_m=8)),
     (GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
     (GemmConfig(128, 64, 64, 3, 2, group_m=4), GemmConfig(128, 128, 64, 3, 2, group_m=4)),
+    # 144-wide gate/up tiles (16 column blocks, not 18: the waves fill differently), in bands
+    # of 8, and beside the 256-wide down tiles of mega.moe
+    (GemmConfig(64, 144, 64, 3, 2, group_m=8), GemmConfig(64, 160, 64, 4, 2, group_m=8)),
+    (GemmConfig(64, 144, 64, 3, 2, persistent=True, group_m=8),
+     GemmConfig(64, 160, 64, 4, 2, persistent=True, group_m=8)),
+    (GemmConfig(64, 144, 64, 3, 2, persistent=True), GemmConfig(64, 256, 64, 3, 2, group_m=8)),
 ]
 # --sweep adds these (weight-streaming sizes): deeper pipelines, and smaller tiles whose shared
 # memory lets two or more CTAs share an SM (gate/up's 18 column blocks x 6 experts = 108 CTAs
