@@ -68,11 +68,11 @@ wgmmas before promoting them, and the warpgroups run in lockstep. Making them ta
 (FlashAttention-3's ping-pong on named barriers) was 7-10% slower (bench/RESULTS.md). With
 ``block_k`` 256 a step spans two scale blocks: its wgmmas go to two sets of accumulators, and
 the first set is promoted while the second's wgmmas run (192 registers of the 232 a
-warp-specialised compute warpgroup has). On the H200 that gate/up kernel is no faster than with
-128-deep steps (113-115 against 114-115 µs at 256 rows per expert, 379 against 375-379 at 1024),
-and the one-warpgroup down kernel 13% slower, so ``mega.moe`` keeps 128-deep steps. The warp-specialised down
-kernel is 5% faster than one warpgroup's with 128-row tiles (an fp8 wgmma N of 128; balanced
-loads) and 34% slower with 64. The output is bf16, or, with ``fp8_out`` and 128-wide tiles (one
+warp-specialised compute warpgroup has). On the H200 that gate/up kernel is no faster than
+with 128-deep steps (113-115 against 114-115 µs at 256 rows per expert, 379 against 375-379 at
+1024), and the one-warpgroup down kernel 13% slower, so ``mega.moe`` keeps 128-deep steps. The
+warp-specialised down kernel is 5% faster than one warpgroup's with 128-row tiles (an fp8 wgmma
+N of 128; balanced loads) and 34% slower with 64. The output is bf16, or, with ``fp8_out`` and 128-wide tiles (one
 scale block of ``h``), ``Fp8Rows`` quantised in the epilogue: a row's amax across the warpgroup,
 the scale from its bits, e4m3 stored through an f16 staging tile (8-bit values have no
 transposed register layout). On the H200 that is 5-9% less GPU time than XLA's requantisation at
