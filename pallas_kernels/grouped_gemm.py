@@ -72,12 +72,12 @@ warp-specialised compute warpgroup has). On the H200 that gate/up kernel is no f
 with 128-deep steps (113-115 against 114-115 µs at 256 rows per expert, 379 against 375-379 at
 1024), and the one-warpgroup down kernel 13% slower, so ``mega.moe`` keeps 128-deep steps. The
 warp-specialised down kernel is 5% faster than one warpgroup's with 128-row tiles (an fp8 wgmma
-N of 128; balanced loads) and 34% slower with 64. The output is bf16, or, with ``fp8_out`` and 128-wide tiles (one
-scale block of ``h``), ``Fp8Rows`` quantised in the epilogue: a row's amax across the warpgroup,
-the scale from its bits, e4m3 stored through an f16 staging tile (8-bit values have no
-transposed register layout). On the H200 that is 5-9% less GPU time than XLA's requantisation at
-16 rows per expert, and 9-23% more at 64 and 256 (the wider tiles hold twice the weight rows per
-accumulator; bench/RESULTS.md).
+N of 128; balanced loads) and 34% slower with 64. The output is bf16, or, with ``fp8_out`` and
+128-wide tiles (one scale block of ``h``), ``Fp8Rows`` quantised in the epilogue: a row's amax
+across the warpgroup, the scale from its bits, e4m3 stored through an f16 staging tile (8-bit
+values have no transposed register layout). On the H200 that is 5-9% less GPU time than XLA's
+requantisation at 16 rows per expert, and 9-23% more at 64 and 256 (the wider tiles hold twice
+the weight rows per accumulator; bench/RESULTS.md).
 
 Against cuBLAS (bench/RESULTS.md): JAX's own Hopper matmul at our 64 x 256 tiles matches it on
 the dense equivalents of these GEMMs; our kernel at those tiles trails it by 5-12% with one
