@@ -345,20 +345,23 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
         if isinstance(tid.type, ir.IndexType) or str(tid.type) == "index":
             tid = arith.index_cast(i32, tid)
         lane = arith.remui(tid, c(WARPGROUP))
-        j, sub = arith.divui(lane, c(2)), arith.remui(lane, c(2))
-        rid = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
-        rid = arith.extui(i64, arith.maxsi(rid, c(0)))       # -1 (masked) reads row 0
         global_ptr = lambda ref: llvm.addrspacecast(  # noqa: E731
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
         gep = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)  # noqa: E731
-        src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
         dst_ptr = mgpu_utils.memref_ptr(dst)
+
+        def row_id(j):
+            rid = memref.load(ids, [arith.index_cast(ir.IndexType.get(), j)])
+            return arith.extui(i64, arith.maxsi(rid, c(0)))       # -1 (masked) reads row 0
 
         def copy(dst, src, size=COPY):
             nvvm.cp_async_shared_global(
                 dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
         if fp8:   # row j of each half's row-major region
+            j, sub = arith.divui(lane, c(2)), arith.remui(lane, c(2))
+            rid = row_id(j)
+            src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
             rows = [gep(dst_ptr, mul(add(c(h * half_rows), j), c(pitch8))) for h in range(2)]
             for i in range(pieces // 2):
                 h, q = divmod(2 * i, half_pieces)
@@ -367,15 +370,18 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
             scales_dst = gep(dst_ptr, add(mul(add(mul(sub, c(half_rows)), j), c(pitch8)), c(dh)))
             copy(scales_dst, gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
         else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: 16B piece ^ (row % 8)
-            r8 = arith.remui(j, c(8))
-            row_base = add(mul(arith.divui(j, c(8)), c(dh // 64 * 1024)), mul(r8, c(128)))
-            x = arith.xori(sub, r8)
-            # piece 2i + sub has (2i % 8) | sub = (2i % 8) ^ sub in the swizzled position
-            bases = [gep(dst_ptr, add(row_base, mul(arith.xori(x, c(2 * k)), c(COPY)))) for k in range(4)]
-            for i in range(pieces // 2):
-                h, q = divmod(2 * i, half_pieces)
-                static = h * BLOCK_KV * dh * 2 + q // 8 * 1024
-                copy(gep(bases[i % 4], c(static)), gep(src_row, c(2 * i * COPY, i64)))
+            # 8 threads per row, rows j0, j0 + 16, .. : a warp's copy reads four whole 128-byte lines
+            j0, sub = arith.divui(lane, c(8)), arith.remui(lane, c(8))
+            r8 = arith.remui(j0, c(8))                     # (j0 + 16 r) % 8 = j0 % 8
+            base = gep(dst_ptr, add(add(mul(arith.divui(j0, c(8)), c(dh // 64 * 1024)), mul(r8, c(128))),
+                                    mul(arith.xori(sub, r8), c(COPY))))
+            for r in range(BLOCK_KV // 16):
+                src_row = gep(global_ptr(kv), add(mul(row_id(add(j0, c(16 * r))), c(row_bytes, i64)),
+                                                  arith.extui(i64, mul(sub, c(COPY)))))
+                for i in range(pieces // 8):
+                    h, q = divmod(8 * i, half_pieces)
+                    static = r * 2 * (dh // 64 * 1024) + h * BLOCK_KV * dh * 2 + q // 8 * 1024
+                    copy(gep(base, c(static)), gep(src_row, c(8 * i * COPY, i64)))
 
     return gather
 
