@@ -358,30 +358,31 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
             nvvm.cp_async_shared_global(
                 dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
-        if fp8:   # row j of each half's row-major region
-            j, sub = arith.divui(lane, c(2)), arith.remui(lane, c(2))
-            rid = row_id(j)
-            src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
-            rows = [gep(dst_ptr, mul(add(c(h * half_rows), j), c(pitch8))) for h in range(2)]
-            for i in range(pieces // 2):
-                h, q = divmod(2 * i, half_pieces)
-                copy(gep(rows[h], add(mul(sub, c(COPY)), c(q * COPY))), gep(src_row, c(2 * i * COPY, i64)))
-            # the row's scale bytes into the padding of half `sub`
-            scales_dst = gep(dst_ptr, add(mul(add(mul(sub, c(half_rows)), j), c(pitch8)), c(dh)))
-            copy(scales_dst, gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
+        # `tpr` threads per row, rows j0 + step r: a warp's copy reads whole 128-byte lines
+        tpr = min(8, half_pieces)
+        step = WARPGROUP // tpr
+        j0, sub = arith.divui(lane, c(tpr)), arith.remui(lane, c(tpr))
+        if fp8:   # row j of each half's row-major region, at pitch8
+            base = gep(dst_ptr, add(mul(j0, c(pitch8)), mul(sub, c(COPY))))
         else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: 16B piece ^ (row % 8)
-            # 8 threads per row, rows j0, j0 + 16, .. : a warp's copy reads four whole 128-byte lines
-            j0, sub = arith.divui(lane, c(8)), arith.remui(lane, c(8))
-            r8 = arith.remui(j0, c(8))                     # (j0 + 16 r) % 8 = j0 % 8
+            r8 = arith.remui(j0, c(8))                     # (j0 + step r) % 8 = j0 % 8 (tpr = 8)
             base = gep(dst_ptr, add(add(mul(arith.divui(j0, c(8)), c(dh // 64 * 1024)), mul(r8, c(128))),
                                     mul(arith.xori(sub, r8), c(COPY))))
-            for r in range(BLOCK_KV // 16):
-                src_row = gep(global_ptr(kv), add(mul(row_id(add(j0, c(16 * r))), c(row_bytes, i64)),
-                                                  arith.extui(i64, mul(sub, c(COPY)))))
-                for i in range(pieces // 8):
-                    h, q = divmod(8 * i, half_pieces)
-                    static = r * 2 * (dh // 64 * 1024) + h * BLOCK_KV * dh * 2 + q // 8 * 1024
-                    copy(gep(base, c(static)), gep(src_row, c(8 * i * COPY, i64)))
+        for r in range(BLOCK_KV // step):
+            j = add(j0, c(step * r))
+            rid = row_id(j)
+            src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
+            for i in range(pieces // tpr):
+                h, q = divmod(tpr * i, half_pieces)
+                if fp8:
+                    static = (h * half_rows + step * r) * pitch8 + q * COPY
+                else:
+                    static = step * r // 8 * (dh // 64 * 1024) + h * BLOCK_KV * dh * 2 + q // 8 * 1024
+                copy(gep(base, c(static)), gep(src_row, c(tpr * i * COPY, i64)))
+            if fp8:   # the row's scale bytes into the padding of half `sub`, by its first two threads
+                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, sub, c(2))):
+                    copy(gep(dst_ptr, add(mul(add(mul(sub, c(half_rows)), j), c(pitch8)), c(dh))),
+                         gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
 
     return gather
 
