@@ -19,8 +19,11 @@ Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warp
   128-byte swizzle. The producer warpgroup's 128 threads therefore copy the chunk in 16-byte
   ``cp.async`` pieces (Mosaic GPU code inlined through ``plgpu.inline_mgpu``), each piece
   straight to its swizzled place in the tile: nothing re-lays the rows afterwards (FlashMLA's
-  Hopper sparse kernel gathers the same way). Consecutive threads take consecutive pieces of
-  a row, so global reads coalesce and the swizzle spreads the shared writes over all banks.
+  Hopper sparse kernel gathers the same way). Eight consecutive threads take the eight
+  pieces of a row's 128-byte line, so a warp's copy instruction reads four whole lines (the
+  fewest L1 requests for 512 bytes), and the swizzle spreads the shared writes over all banks.
+  Two threads per row (a warp's copy then touched 16 lines, 32 bytes of each) made the
+  gather, not the MMAs, the bound: 13-17% slower on the H200 (bench/RESULTS.md).
 * Two K/V slots. While the compute warpgroups work on chunk g in one slot, chunk g+1's rows
   land in the other. The producer, per chunk: waits for the slot to be released (the
   compute warpgroups arrive on its "free" barrier after their P @ V), issues the chunk's
@@ -28,8 +31,8 @@ Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warp
   ``cp.async.mbarrier.arrive.noinc``, an arrival that happens when that thread's copies
   have landed: the producer never waits for its own copies, and the compute warpgroups
   start on a chunk as soon as its last row is in (they fence it for the tensor cores).
-  Each thread's row, source address and place in the tile are computed once per chunk;
-  its 32 copies are constant offsets from them. Row ids come through shared memory (a
+  Each thread's place in the tile is computed once per chunk, and its four rows' source
+  addresses once per row; its 32 copies are constant offsets from them. Row ids come through shared memory (a
   scalar global load per row would serialise DRAM round trips), fetched by TMA one chunk
   ahead into three slots: a slot is refilled only after both compute warpgroups have
   released the chunk that read it.
@@ -79,36 +82,45 @@ own bf16 half-tile, so a warpgroup's in-place dequantisation never touches anoth
 Registers per compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8
 dequant the acc + 64 for the fp8 half + 16 scales.
 
-Where the time goes (H200, stage removal, bench/RESULTS.md): the row copies, the MMAs and the
-logit exchange add up almost exactly, i.e. they barely overlap. Per 64-key chunk the MMAs read
-192 KB of shared memory (QK^T at N=64 reads both operands from it: 16 MACs per byte, which is
-what the tensor cores consume at the 128 B/clock shared-memory rate), the exchange moves 64 KB
-and the copies write 64 KB, so shared-memory bandwidth, not the tensor cores, bounds a chunk;
-and both compute warpgroups run QK^T, softmax and P @ V in lockstep, so the tensor cores idle
-during the softmax. FlashMLA's split (each warpgroup computes the full-D QK^T and softmax of
-every other chunk and publishes P, 8 KB, instead of exchanging fp32 partial logits) was tried
-and measured 1.3x slower (bench/RESULTS.md): the softmax steps then form one chain that
-alternates between the warpgroups through shared memory and barriers, and that chain, not the
-tensor cores, set the pace. FlashMLA keeps the tensor cores busy through the chain by issuing
-a warpgroup's next QK^T before it waits on the other's softmax; with whole-slot barriers that
-next chunk (two ahead) waits for the slot both warpgroups' P @ V of the current chunk still
-read, and a whole gather (FlashMLA frees and refills each D half of a slot on its own: see
-"Next" below). Timed at 4, 10 and 25 chunks per query, a CTA costs 3.15 us per chunk plus 4 us
-(prefill; 8-9 us at decode, launch included), so a persistent grid that hid one token's
-prologue and epilogue behind the previous token's chunks would save at most ~11% (prefill) to
-~20% (decode); the persistent grid above saves about 3% (it still waits for each item's q, and
-a chunk's cost is unchanged). Overlapping one chunk's softmax with the next chunk's QK^T
-(FlashAttention-3's order) needs that chunk landed a step earlier, i.e. a third 64 KB K/V
-slot, and the kernel already uses 226 of 227 KB; smaller chunks in more slots pay more than
-the overlap gains (branch ``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
-in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them
-is not the cost. Nsight Compute agrees (bench/RESULTS.md): the tensor pipe is busy 33-34% of
-the cycles at decode and prefill, and the compute warps' stall samples in the key loop sit at
-the first exchange barrier (17%: the two warpgroups' QK^T share the tensor cores, so one waits
-for the other's), on P @ V's and QK^T's completion (14% and 6.5%), and on the shared-memory
-loads of the row ids and the zero word (11%). Reading those while QK^T runs, and a named
-barrier for the exchange, moved the stalls without making a chunk shorter (branch
-``ids-named-barrier``).
+Where the time goes (H200, stage removal, bench/RESULTS.md). Since the gather reads whole lines
+(commit ``0e3db46``), leaving out the row copies saves 3% at prefill 4K and nothing at
+decode-256; leaving out the logit exchange saves 21% and 11%, the MMAs 43% and 17%. So a chunk
+is bound by the compute warpgroups' chain (QK^T, exchange, softmax, P @ V in lockstep). Having
+each warpgroup compute the whole QK^T instead (no exchange, 1.5x the MMA work), alone or with
+the warpgroups taking turns at it (FlashAttention-3's ping-pong), was within the spread (-5% to
++7% at prefill 4K by wall clock and profiler, +-1% at decode-256). Everything below was measured
+with the old gather (two threads per row), which hid part of each chunk's cost behind the
+copies, so its verdicts on schedules need retiming.
+
+With the old gather: the row copies, the MMAs and the logit exchange added up almost exactly,
+i.e. they barely overlapped. Per 64-key chunk the MMAs read 192 KB of shared memory (QK^T at
+N=64 reads both operands from it: 16 MACs per byte, which is what the tensor cores consume at
+the 128 B/clock shared-memory rate), the exchange moves 64 KB and the copies write 64 KB, so
+shared-memory bandwidth, not the tensor cores, bounds a chunk; and both compute warpgroups run
+QK^T, softmax and P @ V in lockstep, so the tensor cores idle during the softmax. FlashMLA's
+split (each warpgroup computes the full-D QK^T and softmax of every other chunk and publishes
+P, 8 KB, instead of exchanging fp32 partial logits) was tried and measured 1.3x slower
+(bench/RESULTS.md): the softmax steps then form one chain that alternates between the
+warpgroups through shared memory and barriers, and that chain, not the tensor cores, set the
+pace. FlashMLA keeps the tensor cores busy through the chain by issuing a warpgroup's next QK^T
+before it waits on the other's softmax; with whole-slot barriers that next chunk (two ahead)
+waits for the slot both warpgroups' P @ V of the current chunk still read, and a whole gather
+(FlashMLA frees and refills each D half of a slot on its own: see "Next" below). Timed at 4, 10
+and 25 chunks per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode,
+launch included), so a persistent grid that hid one token's prologue and epilogue behind the
+previous token's chunks would save at most ~11% (prefill) to ~20% (decode); the persistent grid
+above saves about 3% (it still waits for each item's q, and a chunk's cost is unchanged).
+Overlapping one chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs
+that chunk landed a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226
+of 227 KB; smaller chunks in more slots pay more than the overlap gains (branch
+``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
+in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them is
+not the cost. Nsight Compute agrees (bench/RESULTS.md): the tensor pipe is busy 33-34% of the
+cycles at decode and prefill, and the compute warps' stall samples in the key loop sit at the
+first exchange barrier (17%: the two warpgroups' QK^T share the tensor cores, so one waits for
+the other's), on P @ V's and QK^T's completion (14% and 6.5%), and on the shared-memory loads
+of the row ids and the zero word (11%). Reading those while QK^T runs, and a named barrier for
+the exchange, moved the stalls without making a chunk shorter (branch ``ids-named-barrier``).
 
 Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel
 (``csrc/sm90/prefill/sparse``, the same problem at D = 512: 64 heads per CTA, 64-key blocks,
@@ -323,16 +335,19 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
 
     Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
     (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
-    slot's rows of the fp8 view, [half_rows + 64, D/2 + FP8_PAD]). Threads ``2j`` and ``2j + 1`` copy row
-    ``j``, alternating pieces, so a pair reads whole 32-byte sectors and a thread's row, its
-    source address and its place in the tile are computed once: each piece is then a constant
-    offset from them (the swizzle's XOR takes one of four per-thread bases).
+    slot's rows of the fp8 view, [half_rows + 64, D/2 + FP8_PAD]). Thread ``8j + i`` copies
+    pieces ``i, i + 8, ..`` of rows ``j, j + 16, ..`` (of an fp8 row at D = 128, with four
+    pieces per half: ``4j + i``, rows ``j, j + 32``), so a warp's copy reads whole 128-byte
+    lines; the thread's place in the tile is computed once (``(j + 16 r) % 8 = j % 8``, so one
+    swizzle XOR serves all its rows) and each piece is a constant offset from it and its row.
     """
-    assert 2 * BLOCK_KV == WARPGROUP
     dh = d // 2
     row_bytes = d if fp8 else 2 * d
     pieces = row_bytes // COPY                    # per row
     half_pieces = pieces // 2                     # per compute warpgroup's half of D
+    tpr = min(8, half_pieces)                     # threads per row: a 128-byte line, or half an fp8 row
+    step = WARPGROUP // tpr                       # rows per round of the warpgroup
+    assert BLOCK_KV % step == 0 and half_pieces % tpr == 0
     pitch8 = dh + FP8_PAD
     n_scales = d // 32                            # UE8M0 bytes per row: 4, 8 or 16
 
@@ -358,9 +373,6 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
             nvvm.cp_async_shared_global(
                 dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
-        # `tpr` threads per row, rows j0 + step r: a warp's copy reads whole 128-byte lines
-        tpr = min(8, half_pieces)
-        step = WARPGROUP // tpr
         j0, sub = arith.divui(lane, c(tpr)), arith.remui(lane, c(tpr))
         if fp8:   # row j of each half's row-major region, at pitch8
             base = gep(dst_ptr, add(mul(j0, c(pitch8)), mul(sub, c(COPY))))
