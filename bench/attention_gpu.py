@@ -35,6 +35,7 @@ kernel start to last kernel end per call, and its summed kernel time per call.
     python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
     python3 bench/attention_gpu.py --cases decode-32 --stages   # + stage-removal timings
     python3 bench/attention_gpu.py --per-item   # + the kernels on one CTA per item (not persistent)
+    python3 bench/attention_gpu.py --persistent # + the kernels on one CTA per SM (fp8's default is per item)
 """
 from __future__ import annotations
 
@@ -185,6 +186,9 @@ def run(args):
         if args.per_item and case["kernel_splits"] == 1:   # against the persistent grid: one CTA per item
             chosen.append(("pallas_bf16[one item per CTA]", "pallas_fp8[one item per CTA]",
                            *kernels(ctas=t * h // 64)))
+        if args.persistent and case["kernel_splits"] == 1:   # against one CTA per item (fp8's default)
+            chosen.append(("pallas_bf16[one CTA per SM]", "pallas_fp8[one CTA per SM]",
+                           *kernels(ctas=min(t * h // 64, jax.devices()[0].core_count))))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None
         xla = jax.jit(lambda q, w, c, a, b: xla_bf16(q, [(a, w), (b, c)], sink, scale, chunk))
         # fp32 reference on a sample of tokens (the full one would take minutes at 64K tokens)
@@ -315,6 +319,8 @@ if __name__ == "__main__":
     p.add_argument("--stages", action="store_true", help="also time the kernel with each stage left out")
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
+    p.add_argument("--persistent", action="store_true",
+                   help="also time the kernels with one CTA per SM (persistent; fp8 pools default to one per item)")
     p.add_argument("--per-item", action="store_true",
                    help="also time the kernels with one CTA per (token, head group) item, not persistent")
     p.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],
