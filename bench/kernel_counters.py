@@ -123,10 +123,13 @@ METRICS = {   # summary name -> raw metric (ncu 2025.3 on sm90)
     "issue_active_pct": "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
     "shared_wavefronts_pct": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
     "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_read_bytes": "dram__bytes_read.sum",
+    "dram_write_bytes": "dram__bytes_write.sum",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
 }
+BYTE_UNITS = {"Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
@@ -151,10 +154,12 @@ def summarize(raw_csv: str, source_csv: str, top: int = 8) -> list[dict]:
     cycles they were active (a part-empty last wave shows here), and from the warp-state samples
     the share of each stall reason and the ``top`` instructions by samples."""
     raw = list(csv.reader(io.StringIO(raw_csv)))
+    units = dict(zip(raw[0], raw[1]))
     kernels = []
     for row in raw[2:]:   # (a header row, a units row)
         m = dict(zip(raw[0], row))
-        num = lambda k: float(m[k].replace(",", ""))  # noqa: E731
+        # ncu scales byte counts to its own unit per metric (Kbyte, Mbyte, ...): back to bytes
+        num = lambda k: float(m[k].replace(",", "")) * BYTE_UNITS.get(units.get(k, ""), 1)  # noqa: E731
         kernels.append({"name": m["Kernel Name"], **{k: num(v) for k, v in METRICS.items()},
                         "sm_active_pct": 100 * num("sm__cycles_active.avg") / num("sm__cycles_elapsed.avg")})
     sections, header = [], None
