@@ -35,7 +35,7 @@ kernel start to last kernel end per call, and its summed kernel time per call.
     python3 bench/attention_gpu.py --plot                       # PNG from $OUT/attention_gpu.json
     python3 bench/attention_gpu.py --cases decode-32 --stages   # + stage-removal timings
     python3 bench/attention_gpu.py --per-item   # + the kernels on one CTA per item (not persistent)
-    python3 bench/attention_gpu.py --persistent # + the kernels on one CTA per SM (fp8's default is per item)
+    python3 bench/attention_gpu.py --persistent # + the kernels on one CTA per SM (the default's grid, pinned)
 """
 from __future__ import annotations
 
@@ -320,7 +320,7 @@ if __name__ == "__main__":
     p.add_argument("--splits", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also time the kernels at these key-split counts, e.g. 1,2,4")
     p.add_argument("--persistent", action="store_true",
-                   help="also time the kernels with one CTA per SM (persistent; fp8 pools default to one per item)")
+                   help="also time the kernels with one CTA per SM (persistent, the default where one split)")
     p.add_argument("--per-item", action="store_true",
                    help="also time the kernels with one CTA per (token, head group) item, not persistent")
     p.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],

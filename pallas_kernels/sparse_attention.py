@@ -64,10 +64,13 @@ Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warp
   chunks while the compute warpgroups finish the last one, and it loads the next q into the
   output tiles' shared memory once their stores have read them (a "q free" barrier). Measured
   on the H200 against one CTA per item (bench/RESULTS.md, same call, GPU busy time): bf16
-  pools 2.5-5% faster (decode 256 requests, prefill 4K and 16K), an fp8 window pool 2-6%
-  slower: its compute warpgroups spill (ptxas: 236 bytes against 32 per item), since the
-  in-place dequantisation holds a half-chunk of fp8 values and scales beside the accumulator
-  and the loop adds its state. So ``ctas=None`` keeps one CTA per item when any pool is fp8.
+  pools 2.5-5% faster (decode 256 requests, prefill 4K and 16K). With an fp8 window pool the
+  compute warpgroups spill more (ptxas: 236 bytes against 32 per item: the in-place
+  dequantisation holds a half-chunk of fp8 values and scales beside the accumulator, and the
+  loop adds its state); that made it 2-6% slower while the gather was the bound. Since the
+  gather reads whole lines it is 2-4% faster at decode 128-256 and prefill 4K and 64K, level
+  at decode 32-64 and 2% slower at prefill 16K (two calls). So ``ctas=None`` is persistent
+  for every pool kind.
 * Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
   bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
   inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
@@ -457,7 +460,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
     ``ctas``: CTAs of the grid, each taking every ``ctas``-th (query token, head group, split)
     item in turn (persistent when fewer than the items; only with one split). ``None``: one per
-    SM on the GPU with one split and bf16 pools only, else one per item (see the module docstring).
+    SM on the GPU with one split, else one per item (see the module docstring).
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
@@ -491,9 +494,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
     n_items = n_heads // HEADS * splits * t_len
-    if ctas is None:   # persistent for bf16 pools only: measured faster there, slower with an fp8 pool
-        bf16_only = all(kv_scale is None for _, kv_scale, _ in pools)
-        ctas = min(n_items, n_sms) if splits == 1 and n_sms and bf16_only and sum(n_chunks) else n_items
+    if ctas is None:
+        ctas = min(n_items, n_sms) if splits == 1 and n_sms and sum(n_chunks) else n_items
     # (a later item's q is loaded after its first chunk's copies: items without chunks get one CTA each)
     if not 1 <= ctas <= n_items or ((splits > 1 or not sum(n_chunks)) and ctas < n_items):
         raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
