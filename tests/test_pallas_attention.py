@@ -78,7 +78,7 @@ def gpu_interpret():
         reset_gpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas", [
+KERNEL_CASES = [   # (t_len, heads, d, pools, splits, ctas)
     (3, 64, 128, [(300, 64), (200, 100)], 1, None),    # window + compressed pool, S=100 pads to 128
     (2, 128, 256, [(150, 70)], 1, None),               # two head groups, one pool
     (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, None),   # V4.1 layout: fp8 window + bf16 compressed
@@ -89,8 +89,24 @@ def gpu_interpret():
     (5, 128, 128, [(300, 64), (200, 100)], 1, 3),
     (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, 2),      # fp8 window, 2 CTAs
     (4, 64, 128, [(300, 50)], 1, 2),                         # one chunk per item
-])
+]
+
+
+@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas", KERNEL_CASES)
 def test_kernel_matches_reference(gpu_interpret, t_len, heads, d, pools, splits, ctas):
+    _check_kernel(t_len, heads, d, pools, splits, ctas)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a Hopper GPU")
+@pytest.mark.parametrize("t_len,heads,d,pools,splits,ctas", KERNEL_CASES)
+def test_compiled_kernel_matches_reference(t_len, heads, d, pools, splits, ctas):
+    """The same cases compiled: the interpreter runs no inline Mosaic GPU code, so only here do
+    the cp.async gathers run at D = 128 and 256 (their thread layouts depend on D; the benches
+    check D = 512), beside splits and the persistent loop."""
+    _check_kernel(t_len, heads, d, pools, splits, ctas)
+
+
+def _check_kernel(t_len, heads, d, pools, splits, ctas):
     q, pools, sink, masked = _case(t_len, heads, d, pools)
     scale = d ** -0.5
     out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits, ctas=ctas))(q, pools, sink)
