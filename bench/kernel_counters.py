@@ -129,7 +129,10 @@ METRICS = {   # summary name -> raw metric (ncu 2025.3 on sm90)
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
 }
-BYTE_UNITS = {"Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+# ncu scales each metric to its own unit: back to bytes, and durations to ms (the reports up to
+# commit cd1e291 kept ncu's usecond under "ms")
+UNITS = {"Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
+         "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
@@ -158,8 +161,7 @@ def summarize(raw_csv: str, source_csv: str, top: int = 8) -> list[dict]:
     kernels = []
     for row in raw[2:]:   # (a header row, a units row)
         m = dict(zip(raw[0], row))
-        # ncu scales byte counts to its own unit per metric (Kbyte, Mbyte, ...): back to bytes
-        num = lambda k: float(m[k].replace(",", "")) * BYTE_UNITS.get(units.get(k, ""), 1)  # noqa: E731
+        num = lambda k: float(m[k].replace(",", "")) * UNITS.get(units.get(k, ""), 1)  # noqa: E731
         kernels.append({"name": m["Kernel Name"], **{k: num(v) for k, v in METRICS.items()},
                         "sm_active_pct": 100 * num("sm__cycles_active.avg") / num("sm__cycles_elapsed.avg")})
     sections, header = [], None

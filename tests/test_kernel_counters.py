@@ -1,4 +1,4 @@
-"""bench/kernel_counters.py's summary of an ncu raw page: metrics per kernel, byte counts in bytes."""
+"""bench/kernel_counters.py's summary of an ncu raw page: metrics per kernel, in bytes and ms."""
 from __future__ import annotations
 
 import csv
@@ -21,7 +21,7 @@ def _raw_page(values: dict[str, tuple[str, str]]) -> str:
     return out.getvalue()
 
 
-def test_summary_scales_byte_counts_to_bytes():
+def test_summary_scales_bytes_and_durations():
     values = {metric: ("", "1") for metric in kc.METRICS.values()}
     values[kc.METRICS["dram_read_bytes"]] = ("Mbyte", "1,234.5")
     values[kc.METRICS["dram_write_bytes"]] = ("Kbyte", "96")
@@ -32,5 +32,6 @@ def test_summary_scales_byte_counts_to_bytes():
     assert kernel["name"] == "sparse_mqa"
     assert kernel["dram_read_bytes"] == 1234.5e6
     assert kernel["dram_write_bytes"] == 96e3
-    assert kernel["ms"] == 280.4            # (other units are left as ncu printed them)
+    assert abs(kernel["ms"] - 0.2804) < 1e-12
+    assert kernel["registers"] == 1.0       # (unitless metrics as ncu printed them)
     assert abs(kernel["sm_active_pct"] - 95.0) < 1e-9
