@@ -68,8 +68,8 @@ Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warp
   compute warpgroups spill more (ptxas: 236 bytes against 32 per item: the in-place
   dequantisation holds a half-chunk of fp8 values and scales beside the accumulator, and the
   loop adds its state); that made it 2-6% slower while the gather was the bound. Since the
-  gather reads whole lines it is 2-4% faster at decode 128-256 and prefill 4K and 64K, level
-  at decode 32-64 and 2% slower at prefill 16K (two calls). So ``ctas=None`` is persistent
+  gather reads whole lines it is 1-4% faster at decode 128-256 and prefill 4K and 64K, level
+  at decode 32-64 and 2% slower at prefill 16K (three calls). So ``ctas=None`` is persistent
   for every pool kind.
 * Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
   bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
