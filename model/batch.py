@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +40,11 @@ class StepInfo(NamedTuple):
     ends: jnp.ndarray  # int32 [B]
     window_idx: jnp.ndarray  # int32 [R, W] rows of [ring (B*W) ; computed rows (R)], -1 if missing
     rope: dict  # "main" / "compress": (cos, sin) [R, rope_dim // 2]
+
+    def head(self, rows: int) -> "StepInfo":
+        """The first ``rows`` rows (the request-indexed fields unchanged)."""
+        per_row = self._replace(starts=None, ends=None)
+        return jax.tree.map(lambda a: a[:rows], per_row)._replace(starts=self.starts, ends=self.ends)
 
 
 def _info(cfg: ModelConfig, state: ModelState, valid, slot, pos, starts, ends, computed_from) -> StepInfo:
@@ -71,10 +77,12 @@ def replay_rows(cfg: ModelConfig, state: ModelState, full: StepInfo, keep: int, 
     """The last ``keep`` rows of every request, packed into ``rows`` slots: ``(info, source row [rows])``.
 
     Source rows are -1 for padding; ``rows`` must hold every kept row (the caller's bucket).
+    The packing is a prefix: the first ``r`` of ``rows`` slots are the packing into ``r``.
     """
     kept = full.valid & (full.pos >= full.end - keep)
     order = jnp.argsort(~kept, stable=True)[:rows]  # kept rows first, in batch order
-    ok = kept[order]
+    order = jnp.pad(order, (0, rows - order.shape[0]))  # more slots than rows: padding
+    ok = kept[order] & (jnp.arange(rows) < kept.shape[0])
     src = jnp.where(ok, order, -1)
     slot, pos = full.slot[order], full.pos[order]
     computed_from = jnp.maximum(full.starts, full.ends - keep)[slot]

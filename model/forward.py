@@ -9,13 +9,14 @@ Sublayer outputs are placed into the streams lazily, by the next mHC step or Eng
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mega.engram import engram
-from mega.mhc import Update, hc_expand, mhc_step
+from mega.mhc import HcMix, Update, hc_expand, mhc_step
 from mega.moe import MoeSpec, moe
 from mega.primitives import linear
 from model.attention import Published, attention_sublayer
@@ -39,6 +40,46 @@ def moe_spec(cfg: ModelConfig) -> MoeSpec:
                    cfg.norm_topk_prob, cfg.expert_activations == "fp8")
 
 
+class Flow(NamedTuple):
+    """What one layer hands the next: the streams, the pending sublayer update, the pre-mix the
+    next site collapses with, the index sources' selections, the state and the rows' metadata."""
+
+    residual: jnp.ndarray  # [T, hc, D]
+    update: Update | None
+    pre: jnp.ndarray  # [T, hc]
+    published: Published
+    windows: tuple  # per layer: the window ring this step writes
+    state: ModelState
+    info: StepInfo
+    hash_rows: jnp.ndarray | None  # [T, n_engram_layers, cols]
+
+
+class Cut(NamedTuple):
+    """A replay step between its two programs: the flow right after the last KV source's
+    attention, its kept rows packed first (``model.batch.replay_rows``), and the attention's
+    output there. ``take(rows)`` keeps the first ``rows``, so one trunk serves every replay
+    bucket up to its size."""
+
+    residual: jnp.ndarray  # [R, hc, D]
+    y: jnp.ndarray  # [R, D]
+    attn_mix: HcMix
+    published: Published
+    info: StepInfo
+    hash_rows: jnp.ndarray | None
+    row_src: jnp.ndarray  # [R] batch row of each kept row, -1 for padding
+    engram_hist: jnp.ndarray  # [B, n-1] the look-back after this step
+
+    def take(self, rows: int) -> "Cut":
+        head = partial(jax.tree.map, lambda a: a[:rows])
+        return self._replace(residual=self.residual[:rows], y=self.y[:rows], attn_mix=head(self.attn_mix),
+                             published=head(self.published), info=self.info.head(rows),
+                             hash_rows=head(self.hash_rows), row_src=self.row_src[:rows])
+
+    def rows_of(self, batch_rows: jnp.ndarray) -> jnp.ndarray:
+        """Where batch rows ``[S]`` (kept ones) sit among the cut's rows."""
+        return jnp.argmax(self.row_src[None, :] == batch_rows[:, None], axis=1).astype(jnp.int32)
+
+
 def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,
             trace: bool = False, forced_selection: dict | None = None, logit_rows: jnp.ndarray | None = None,
             replay: tuple[int, int] | None = None):
@@ -51,68 +92,112 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
       attention, only each request's last ``keep`` rows are computed, packed into ``rows``
       slots (a static bucket). ``keep = sliding_window`` is the approximate mode SGLang and
       vLLM ship; ``keep = halo_rows(cfg)`` is the exact one. ``logit_rows`` must be kept rows.
+      It is ``forward_trunk`` then ``forward_tail``, which the engine runs as two programs.
     * ``trace``: also return a ``Trace``; ``forced_selection`` maps index-source layers to
       ``[T, N]`` entry masks that replace their top-k choice (to replay another
       implementation's tie-breaking).
     """
-    if replay is not None and (trace or logit_rows is None):
-        raise ValueError("decoder replay computes only the kept rows: pass logit_rows, and no trace")
+    if replay is not None:
+        if trace or logit_rows is None:
+            raise ValueError("decoder replay computes only the kept rows: pass logit_rows, and no trace")
+        cut, state = forward_trunk(params, cfg, state, batch, engram_map, *replay, forced_selection)
+        return forward_tail(params, cfg, state, cut, cut.rows_of(logit_rows))
+    f, engram_hist = _start(params, cfg, state, batch, engram_map)
+    streams, premixes, selections = [], [], {}
+    forced_selection = forced_selection or {}
+    for i, lp in enumerate(params["layers"]):
+        f, y, attn_mix = _attention_site(lp, cfg, i, f, forced_selection.get(i))
+        if i in cfg.index_source_layer_ids:
+            selections[i] = f.published
+        f = _ffn_site(lp, cfg, f, y, attn_mix)
+        if trace:
+            streams.append(hc_expand(f.residual, f.update))
+            premixes.append(f.pre)
+    logits, new_state = _finish(params, cfg, f, engram_hist, logit_rows)
+    if trace:
+        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), f.hash_rows, selections)
+    return logits, new_state
+
+
+def forward_trunk(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map, keep: int,
+                  rows: int, forced_selection: dict | None = None) -> tuple[Cut, ModelState]:
+    """A replay step's layers up to the last KV source's attention on every row; then its
+    requests' last ``keep`` rows gathered into ``rows`` (``forward``'s ``replay``)."""
+    f, engram_hist = _start(params, cfg, state, batch, engram_map)
+    forced_selection = forced_selection or {}
+    last = cfg.last_kv_source
+    for i, lp in enumerate(params["layers"][:last + 1]):
+        f, y, attn_mix = _attention_site(lp, cfg, i, f, forced_selection.get(i))
+        if i < last:
+            f = _ffn_site(lp, cfg, f, y, attn_mix)
+    info, row_src = replay_rows(cfg, f.state, f.info, keep, rows)
+    take = partial(jax.tree.map, lambda a: a[jnp.maximum(row_src, 0)])
+    cut = Cut(take(f.residual), take(y), take(attn_mix), take(f.published), info, take(f.hash_rows), row_src,
+              engram_hist)
+    return cut, f.state.replace(window=f.windows)
+
+
+def forward_tail(params: dict, cfg: ModelConfig, state: ModelState, cut: Cut, logit_rows: jnp.ndarray):
+    """The rest of a replay step on the cut's rows: ``(logits [S], state)``; ``logit_rows``
+    index the cut's rows (``Cut.rows_of``)."""
+    last = cfg.last_kv_source
+    f = Flow(cut.residual, None, cut.attn_mix.pre, cut.published, state.window, state, cut.info, cut.hash_rows)
+    f = _ffn_site(params["layers"][last], cfg, f, cut.y, cut.attn_mix)
+    for i, lp in enumerate(params["layers"][last + 1:], last + 1):
+        f, y, attn_mix = _attention_site(lp, cfg, i, f, None)
+        f = _ffn_site(lp, cfg, f, y, attn_mix)
+    return _finish(params, cfg, f, cut.engram_hist, logit_rows)
+
+
+def _hc(cfg: ModelConfig) -> dict:
+    return dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
+
+
+def _start(params, cfg, state, batch, engram_map) -> tuple[Flow, jnp.ndarray]:
+    """The flow into layer 0 and the Engram look-back after this step."""
     info = step_info(cfg, state, batch)
-    row_src = None
     hash_rows, engram_hist = None, state.engram_hist
     if cfg.engram_layer_ids:
         if engram_map is None:
             raise ValueError("this config has Engram layers: pass engram_map (model.engram_vocab.engram_map_for)")
         hash_rows, engram_hist = _engram_rows(cfg, state, batch, info, engram_map)
-
     x0 = params["embed"][batch.tokens]
     residual = jnp.repeat(x0[:, None, :], cfg.hc_mult, axis=1)
     pre = jnp.zeros((x0.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
-    update: Update | None = None
-    published = Published()
-    windows = list(state.window)
-    hc = dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
-    streams, premixes, selections = [], [], {}
-    forced_selection = forced_selection or {}
-    for i, lp in enumerate(params["layers"]):
-        if i in cfg.engram_layer_ids:
-            residual = engram(residual, update, hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
-                              eps=cfg.rms_norm_eps)
-            update = None
-        residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], pre, lp["attn_norm"], **hc)
-        y, windows[i], src_update, published = attention_sublayer(x, lp["attn"], i, cfg, info, state, published,
-                                                                  forced_selection.get(i))
-        if i in cfg.index_source_layer_ids:
-            selections[i] = published
-        if src_update is not None:  # later layers of the group read the updated pools
-            state = _with_source(state, cfg.kv_source_layer_ids.index(i), src_update)
-        if replay is not None and i == cfg.last_kv_source:  # from here on only the kept rows
-            info, row_src = replay_rows(cfg, state, info, *replay)
-            take = jnp.maximum(row_src, 0)
-            residual, y, attn_mix = residual[take], y[take], jax.tree.map(lambda a: a[take], attn_mix)
-            published = jax.tree.map(lambda a: a[take], published)
-            hash_rows = None if hash_rows is None else hash_rows[take]
-        residual, x, ffn_mix = mhc_step(residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
-                                        attn_mix.pre, lp["ffn_norm"], **hc)
-        update = Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb)
-        pre = ffn_mix.pre
-        if trace:
-            streams.append(hc_expand(residual, update))
-            premixes.append(pre)
-    residual, x, _ = mhc_step(residual, update, None, pre, params["norm"], **hc)
+    return Flow(residual, None, pre, Published(), state.window, state, info, hash_rows), engram_hist
+
+
+def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
+    """[Engram] and the attention sublayer of layer ``i``: ``(flow, output, the site's mix)``."""
+    residual, update = f.residual, f.update
+    if i in cfg.engram_layer_ids:
+        residual = engram(residual, update, f.hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
+                          eps=cfg.rms_norm_eps)
+        update = None
+    residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], f.pre, lp["attn_norm"], **_hc(cfg))
+    y, ring, src_update, published = attention_sublayer(x, lp["attn"], i, cfg, f.info, f.state, f.published, forced)
+    state = f.state
+    if src_update is not None:  # later layers of the group read the updated pools
+        state = _with_source(state, cfg.kv_source_layer_ids.index(i), src_update)
+    windows = f.windows[:i] + (ring,) + f.windows[i + 1:]
+    return f._replace(residual=residual, update=None, published=published, windows=windows, state=state), y, attn_mix
+
+
+def _ffn_site(lp: dict, cfg: ModelConfig, f: Flow, y: jnp.ndarray, attn_mix: HcMix) -> Flow:
+    residual, x, ffn_mix = mhc_step(f.residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
+                                    attn_mix.pre, lp["ffn_norm"], **_hc(cfg))
+    return f._replace(residual=residual, update=Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb),
+                      pre=ffn_mix.pre)
+
+
+def _finish(params, cfg, f: Flow, engram_hist, logit_rows):
+    """The final collapse and the LM head over ``logit_rows`` (default: every row)."""
+    _, x, _ = mhc_step(f.residual, f.update, None, f.pre, params["norm"], **_hc(cfg))
     if logit_rows is not None:
-        if row_src is not None:  # batch row -> computed row
-            where = jnp.full((batch.tokens.shape[0],), 0, jnp.int32)
-            where = where.at[jnp.where(row_src >= 0, row_src, where.shape[0])].set(
-                jnp.arange(row_src.shape[0], dtype=jnp.int32), mode="drop")
-            logit_rows = where[logit_rows]
         x = x[logit_rows]
     with jax.named_scope("lm_head"):
         logits = linear(x, params["lm_head"])
-    new_state = state.replace(seq_lens=info.ends, window=tuple(windows), engram_hist=engram_hist)
-    if trace:
-        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), hash_rows, selections)
-    return logits, new_state
+    return logits, f.state.replace(seq_lens=f.info.ends, window=f.windows, engram_hist=engram_hist)
 
 
 def halo_rows(cfg: ModelConfig, multiple: int = 256) -> int:
