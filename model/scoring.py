@@ -1,7 +1,8 @@
-"""Whole-sequence passes from an empty state: per-token log-probs, and next-token logits."""
-from __future__ import annotations
+"""Whole-sequence passes from an empty state: per-token log-probs, and next-token logits.
 
-from functools import partial
+Plain functions of static ``cfg`` and ``page_size``: callers jit them (serve/batch_scoring.py
+compiles one program per padded shape through the engine's program cache)."""
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,6 @@ def _prefill(params, cfg: ModelConfig, tokens, lengths, engram_map, page_size: i
     return logits, live
 
 
-@partial(jax.jit, static_argnames=("cfg", "page_size"))
 def token_logprobs(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, lengths: jnp.ndarray,
                    engram_map: jnp.ndarray | None = None, page_size: int = 16) -> jnp.ndarray:
     """``[B, L - 1]`` fp32: ``log p(tokens[b, t + 1] | tokens[b, :t + 1])``; rows past a length are 0."""
@@ -35,7 +35,6 @@ def token_logprobs(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, lengths:
     return jnp.where(live[:, 1:], picked, 0.0)
 
 
-@partial(jax.jit, static_argnames=("cfg", "page_size"))
 def last_logits(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, lengths: jnp.ndarray,
                 engram_map: jnp.ndarray | None = None, page_size: int = 16) -> jnp.ndarray:
     """``[B, V]`` fp32 next-token logits after each row's last token."""

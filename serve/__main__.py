@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--context-length", type=int, default=4096)
-    ap.add_argument("--chunked-prefill-size", type=int, default=8192, help="new prefill tokens per step")
+    ap.add_argument("--chunked-prefill-size", type=int,
+                    help="tokens per step, its decodes included (default: 8192 on a GPU, 2048 elsewhere)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                          "128 columns (SGLang's block-fp8 MoE): fp8 x fp8 tensor-core GEMMs")
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    ap.add_argument("--max-compiled-programs", type=int,
+                    help="step programs held compiled at once; the rest compile on demand, least recently used "
+                         "evicted (default: as many as fit a quarter of vm.max_map_count and half the memory)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
@@ -53,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                               page_size=args.page_size, prefill_budget=args.chunked_prefill_size,
                               decoder_replay=args.decoder_replay, overlap=not args.disable_overlap_schedule,
                               prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization)
+                              quantization=args.quantization, max_programs=args.max_compiled_programs)
         if args.model:
             engine = Engine.from_model_dir(args.model, config)
             name = args.served_model_name or Path(args.model).resolve().name
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
-        with tqdm(total=len(engine.buckets.shapes()), desc="compiling buckets", file=sys.stderr) as bar:
+        with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
     server = Server(engine, name, api_key=args.api_key, max_queue=args.max_queued_requests)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)

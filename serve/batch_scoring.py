@@ -1,4 +1,5 @@
-"""Batched whole-sequence passes: power-of-two length buckets, one jitted forward per bucket."""
+"""Batched whole-sequence passes: power-of-two length buckets, one compiled forward per bucket,
+held in the runner's program cache like the step programs (serve/programs.py)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -28,12 +29,16 @@ def _bucketed(sequences: list[list[int]], batch_size: int):
             yield rows, jnp.asarray(tokens), jnp.asarray(lengths)
 
 
-def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_size: int, progress=None
-                    ) -> list[list[float | None]]:
+def _run(runner, fn, tokens, lengths):
+    return runner.programs.run((fn.__name__, runner.signature, tokens.shape), fn,
+                               (runner.params, tokens, lengths, runner.engram_map), dict(cfg=runner.cfg))
+
+
+def score_sequences(runner, sequences: list[list[int]], batch_size: int, progress=None) -> list[list[float | None]]:
     """Log-probs of each sequence's tokens (the first is None), in input order."""
     results: list = [None] * len(sequences)
     for rows, tokens, lengths in _bucketed(sequences, batch_size):
-        lp = np.asarray(token_logprobs(params, cfg, tokens, lengths, engram_map))
+        lp = np.asarray(_run(runner, token_logprobs, tokens, lengths))
         for r, i in enumerate(rows):
             results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
         if progress is not None:
@@ -41,10 +46,10 @@ def score_sequences(params, cfg, sequences: list[list[int]], engram_map, batch_s
     return results
 
 
-def next_token_logits(params, cfg, sequences: list[list[int]], engram_map, batch_size: int) -> np.ndarray:
+def next_token_logits(runner, sequences: list[list[int]], batch_size: int) -> np.ndarray:
     """``[len(sequences), V]`` logits after each sequence, in input order."""
-    out = np.zeros((len(sequences), cfg.vocab_size), np.float32)
+    out = np.zeros((len(sequences), runner.cfg.vocab_size), np.float32)
     for rows, tokens, lengths in _bucketed(sequences, batch_size):
-        logits = np.asarray(last_logits(params, cfg, tokens, lengths, engram_map))
+        logits = np.asarray(_run(runner, last_logits, tokens, lengths))
         out[rows] = logits[:len(rows)]
     return out

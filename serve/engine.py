@@ -47,7 +47,7 @@ class EngineConfig:
     max_len: int = 4096
     page_size: int = 64
     num_pages: int | None = None  # default: enough for max_running full-length requests
-    prefill_budget: int = 8192  # new prefill tokens per step (chunked prefill)
+    prefill_budget: int | None = None  # tokens per step (chunked prefill); None: 8192 on a GPU, 2048 elsewhere
     decoder_replay: str = "approx"  # "approx" | "exact" | "off"
     overlap: bool = True
     prefix_cache: bool = True
@@ -56,6 +56,7 @@ class EngineConfig:
     # "fp8" / "mxfp4": expert weights quantised at load (mega.moe.FORMATS); "w8a8": fp8 weights
     # and the rows into each expert GEMM in fp8 (SGLang's block-fp8 MoE)
     quantization: str = "none"
+    max_programs: int | None = None  # compiled step programs held at once (None: as many as fit, serve/programs.py)
 
     def __post_init__(self):
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
@@ -66,8 +67,20 @@ class EngineConfig:
             raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
         if self.page_size <= 0 or self.page_size % 2:
             raise ValueError("page_size must be even (a ratio-2 group must not straddle pages)")
-        if min(self.max_running, self.max_len, self.prefill_budget) <= 0:
-            raise ValueError("max_running, max_len and prefill_budget must be positive")
+        if min(self.max_running, self.max_len) <= 0:
+            raise ValueError("max_running and max_len must be positive")
+        if self.prefill_budget is not None and self.prefill_budget <= self.max_running:
+            raise ValueError(f"the chunked-prefill size ({self.prefill_budget}) must exceed max_running "
+                             f"({self.max_running}): a step's decodes count against it")
+
+    @property
+    def step_tokens(self) -> int:
+        """The chunked-prefill budget: tokens one step computes, its decodes included."""
+        if self.prefill_budget is not None:
+            return self.prefill_budget
+        from mega.backend import on_gpu
+
+        return max(8192 if on_gpu() else 2048, 2 * self.max_running)
 
     @property
     def pages(self) -> int:
@@ -102,13 +115,23 @@ class Engine:
         eos = cfg.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
-        self.buckets = Buckets.make(config.max_running, config.prefill_budget, keep)
+        self.buckets = Buckets.make(config.max_running, config.step_tokens, keep)
         if config.quantization != "none":
             params = with_quantized_experts(params, "fp8" if config.quantization == "w8a8" else config.quantization)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
                                   window_fp8=config.kv_cache_dtype == "fp8_e4m3")
-        self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.prefill_budget,
+        # Compile the smallest step now: its cost sizes the program budget, and a configuration
+        # that cannot fit fails here, not at a later request (serve/programs.py).
+        self.runner.programs.budget.cap(config.max_programs)
+        self.runner.step(self.runner.empty_input(self.buckets.decode[0]), None)
+        budget = self.runner.programs.budget
+        budget.check()
+        logging.getLogger("megajax").info(
+            "compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%d "
+            "mappings a program measured, under %s)", budget.capacity(), len(self.buckets.programs()),
+            budget.map_cost, budget.limits() or "no known limit")
+        self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
         self.stats = StepStats()
@@ -290,7 +313,7 @@ class Engine:
         replay = None
         if self.runner.replay_keep is not None and has_prefill:
             keep = sum(min(c.n, self.runner.replay_keep) for c in chunks)
-            replay = self.buckets.replay_rows(keep) if self.buckets.replay_rows(keep) <= t else None
+            replay = self.buckets.replay_rows(keep)
         samp = SamplingArrays.build([r.params for r in sampled], steps, s, [r.rid for r in sampled])
         if ban is None:
             ban = self.runner.no_ban
@@ -450,22 +473,36 @@ class Engine:
         """Per-token log-probs of whole sequences (no decoder replay: every prompt row is needed)."""
         from serve.batch_scoring import score_sequences
 
-        return score_sequences(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size,
-                               progress)
+        return score_sequences(self.runner, sequences, batch_size, progress)
 
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""
         from serve.batch_scoring import next_token_logits
 
-        return next_token_logits(self.runner.params, self.cfg, sequences, self.runner.engram_map, batch_size)
+        return next_token_logits(self.runner, sequences, batch_size)
+
+    def program_info(self) -> dict:
+        """The compiled-program budget and cache counters (serve/programs.py)."""
+        return self.runner.programs.info() | {"programs_in_buckets": len(self.buckets.programs())}
+
+    def warmup_steps(self) -> list[tuple[int, int | None]]:
+        """The steps ``warmup`` runs: the buckets' programs in order, as many as the budget holds."""
+        capacity = self.runner.programs.budget.capacity()
+        kept, programs = [], set()
+        for t, r in self.buckets.warmup_steps():
+            programs.update(self.buckets.programs_of(t, r))
+            if capacity is not None and len(programs) > capacity:
+                break
+            kept.append((t, r))
+        return kept
 
     def warmup(self, progress=None) -> int:
-        """Compile every bucket shape now (not at the first request); returns the number compiled."""
-        shapes = self.buckets.shapes()
-        for t, r in shapes:
+        """Compile the programs of ``warmup_steps`` now (not at the first request); the rest
+        compile when first needed. Returns the number of steps run."""
+        steps = self.warmup_steps()
+        for t, r in steps:
             self.runner.step(self.runner.empty_input(t), r)
             if progress is not None:
                 progress.update(1)
         np.asarray(self.runner.state.last_token)
-        return len(shapes)
-
+        return len(steps)

@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
     ap.add_argument("--max-running", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096)
-    ap.add_argument("--prefill-budget", type=int, default=8192)
+    ap.add_argument("--prefill-budget", type=int,
+                    help="tokens per step, its decodes included (default: 8192 on a GPU, 2048 elsewhere)")
+    ap.add_argument("--max-compiled-programs", type=int,
+                    help="step programs held compiled at once (default: as many as the process's limits fit)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                               prefill_budget=args.prefill_budget, page_size=args.page_size,
                               decoder_replay=args.decoder_replay,
                               overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization)
+                              quantization=args.quantization, max_programs=args.max_compiled_programs)
         engine = Engine.from_model_dir(args.model, config)
         for n, (prompt, params) in enumerate(requests, 1):
             try:
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
-        with tqdm(total=len(engine.buckets.shapes()), desc="compiling buckets", file=sys.stderr) as bar:
+        with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
     total = sum(SamplingParams.from_dict(sp).n for _, sp in requests)
     with tqdm(total=total, desc="generating", unit="req", file=sys.stderr) as bar:

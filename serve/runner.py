@@ -1,11 +1,17 @@
-"""The device side of the engine: model state, sampling state and the jitted step per shape bucket.
+"""The device side of the engine: model state, sampling state and the compiled step programs.
 
-One step is one jitted call: apply the slot resets of newly admitted requests, resolve
-token placeholders (overlap scheduling feeds a request's previous sample as ``-(slot+1)``
-before the host has seen it), run the forward over the ragged batch, sample one token
-for each requested logit row, and update the penalty counters and the per-slot last
-token. Inputs are padded to a small fixed set of shapes (``Buckets``), so the number of
-compilations is bounded; ``compile_count`` counts traces to prove it.
+One step applies the slot resets of newly admitted requests, resolves token placeholders
+(overlap scheduling feeds a request's previous sample as ``-(slot+1)`` before the host has
+seen it), runs the forward over the ragged batch, samples one token for each requested
+logit row, and updates the penalty counters and the per-slot last token. Inputs are padded
+to a small fixed set of shapes (``Buckets``); each shape's program is compiled once and held
+in the process's ``ProgramCache`` (serve/programs.py), which bounds how many are alive.
+
+A step is one program (``plain_step``), except a prefill step under decoder replay: it is
+``trunk_step`` (the layers up to the last KV source's attention on every row, keyed by the
+token bucket) then ``tail_step`` (the rest on the kept rows, keyed by the replay bucket),
+joined by a ``Handoff`` that stays on the device. Split so, the replay buckets add programs
+(``T + R``) instead of multiplying them (``T x R``).
 
 The host's per-step arrays travel as one int32 buffer (``pack_input``), unpacked inside the
 step: each host array passed to a jitted call is its own host→device transfer, and with 22
@@ -16,20 +22,19 @@ as one array (``SampleOutput.packed``): one device-to-host copy a step instead o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mega import backend
 from model.batch import Batch
 from model.config import ModelConfig
-from model.forward import forward
+from model.forward import Cut, forward, forward_trunk, forward_tail
 from model.state import ModelState, init_state, state_dtype
+from serve.programs import ProgramCache, shared_programs
 from serve.sampling import SampleOutput, SamplingArrays, sample
-
-TRACES = 0
 
 
 def _dense(lo: int, hi: int, step: int) -> tuple[int, ...]:
@@ -56,9 +61,8 @@ class Buckets:
     Mirrors SGLang's split: decode batches (one token per request) up to ``max_running``
     (1, 2, 4, 8, then every 8, like its CUDA-graph batch sizes); prefill steps up to the
     chunk budget (powers of two to 512, then every 512: padding wastes at most 512 tokens);
-    replay layers up to ``window x max_running`` rows (powers of two of ``window``). The
-    step is one jitted program, so a prefill shape compiles once per replay bucket it can
-    meet; ``shapes`` lists them all.
+    replay layers up to ``window x max_running`` rows (powers of two of ``window``), within
+    the largest prefill bucket. ``programs`` lists the programs they make.
     """
 
     decode: tuple[int, ...]
@@ -68,7 +72,7 @@ class Buckets:
     @classmethod
     def make(cls, max_running: int, prefill_budget: int, replay_keep: int | None) -> "Buckets":
         decode = _dense(1, max_running, 8)
-        prefill = tuple(b for b in _dense(16, prefill_budget + max_running, 512) if b > decode[-1])
+        prefill = tuple(b for b in _dense(16, prefill_budget, 512) if b > decode[-1])
         replay = () if replay_keep is None else tuple(
             sorted({min(replay_keep * k, prefill[-1]) for k in _pow2(1, max_running)}))
         return cls(decode, prefill, replay)
@@ -83,12 +87,24 @@ class Buckets:
     def replay_rows(self, n: int) -> int:
         return next(b for b in self.replay if b >= n)
 
-    def shapes(self) -> list[tuple[int, int | None]]:
-        """Every (tokens, replay rows) pair a step can compile for."""
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program a step can run, as ``(kind, bucket)``: decode first, then the
+        replay tails, then prefill, each smallest first (the order warm-up compiles them)."""
+        prefill = "trunk" if self.replay else "step"
+        return ([("step", t) for t in self.decode] + [("tail", r) for r in self.replay]
+                + [(prefill, t) for t in self.prefill])
+
+    def programs_of(self, tokens: int, replay_rows: int | None) -> list[tuple[str, int]]:
+        """The programs a step of this shape runs."""
+        return [("step", tokens)] if replay_rows is None else [("trunk", tokens), ("tail", replay_rows)]
+
+    def warmup_steps(self) -> list[tuple[int, int | None]]:
+        """``(tokens, replay rows)`` of steps that run ``programs()`` in their order."""
         out = [(t, None) for t in self.decode]
-        for t in self.prefill:
-            out += [(t, None)] + [(t, r) for r in self.replay if r <= t]
-        return out
+        if not self.replay:
+            return out + [(t, None) for t in self.prefill]
+        out += [(next(t for t in self.prefill if t >= r), r) for r in self.replay]
+        return out + [(t, self.replay[0]) for t in self.prefill if (t, self.replay[0]) not in out]
 
 
 class SlotReset(NamedTuple):
@@ -155,14 +171,39 @@ def unpack_input(buffer: jax.Array, ban: jax.Array, layout: tuple) -> StepInput:
     return jax.tree.unflatten(tree, leaves)._replace(ban=ban)
 
 
-@partial(jax.jit, static_argnames=("layout", "cfg", "num_top", "replay"), donate_argnames=("state",))
-def run_step(params, state: DeviceState, buffer: jax.Array, ban: jax.Array, engram_map, *, layout: tuple,
-             cfg: ModelConfig, num_top: int, replay: tuple[int, int] | None):
-    """One engine step (see the module docstring) on a ``pack_input`` buffer. Jitted once per
-    bucket shape, shared by all engines."""
-    global TRACES
-    TRACES += 1  # the body runs once per trace, i.e. per compiled shape
-    inp = unpack_input(buffer, ban, layout)
+class Handoff(NamedTuple):
+    """What a replay step's trunk hands its tail, on the device."""
+
+    cut: Cut
+    rows: jnp.ndarray  # int32 [S]: the sampled rows among the cut's
+    slots: jnp.ndarray  # int32 [S]: their slots (-1: padding)
+    sampling: SamplingArrays
+
+
+class Signature:
+    """What a runner's programs are compiled for beyond their keys: the kernel mode, the
+    config and the shapes of the params, state and Engram map; hashed once, not every step."""
+
+    def __init__(self, *parts):
+        self.parts, self._hash = parts, hash(parts)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, num_top: int, *trees) -> "Signature":
+        def avals(tree):
+            leaves, treedef = jax.tree.flatten(tree)
+            return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+        return cls(backend.mode(), cfg, num_top, *map(avals, trees))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Signature) and self.parts == other.parts)
+
+
+def _admit(state: DeviceState, inp: StepInput) -> tuple[DeviceState, Batch]:
+    """The slot resets applied, the placeholders resolved and the prompt tokens counted."""
     r = inp.reset
     m = state.model
     keep = ~r.mask
@@ -177,20 +218,48 @@ def run_step(params, state: DeviceState, buffer: jax.Array, ban: jax.Array, engr
     slot_of = jnp.where((b.seq_ids >= 0) & inp.is_prompt, b.seq_ids, m.batch_size)
     prompt_mask = prompt_mask.at[slot_of, tokens].set(True, mode="drop")
     counts = counts.at[jnp.where((b.seq_ids >= 0) & inp.recount, b.seq_ids, m.batch_size), tokens].add(1, mode="drop")
-    logits, m = forward(params, cfg, m, Batch(tokens, b.seq_ids, b.positions), engram_map,
-                        logit_rows=inp.logit_rows, replay=replay)
-    slots = jnp.maximum(inp.logit_slots, 0)
-    out: SampleOutput = sample(logits, inp.sampling, counts[slots], prompt_mask[slots], num_top, ban=inp.ban)
-    live = jnp.where(inp.logit_slots >= 0, inp.logit_slots, m.batch_size)
-    counts = counts.at[live, out.tokens].add(1, mode="drop")
+    return DeviceState(m, counts, prompt_mask, state.last_token), Batch(tokens, b.seq_ids, b.positions)
+
+
+def _sample(state: DeviceState, logits, slots_in, sampling: SamplingArrays, ban, num_top: int):
+    """One token per logit row, counted into its slot: ``(state, packed samples)``."""
+    slots = jnp.maximum(slots_in, 0)
+    out: SampleOutput = sample(logits, sampling, state.counts[slots], state.prompt_mask[slots], num_top, ban=ban)
+    live = jnp.where(slots_in >= 0, slots_in, state.model.batch_size)
+    counts = state.counts.at[live, out.tokens].add(1, mode="drop")
     last = state.last_token.at[live].set(out.tokens, mode="drop")
-    return DeviceState(m, counts, prompt_mask, last), out.packed()
+    return state._replace(counts=counts, last_token=last), out.packed()
+
+
+def plain_step(params, state: DeviceState, buffer: jax.Array, ban: jax.Array, engram_map, *, layout: tuple,
+               cfg: ModelConfig, num_top: int):
+    """A whole step on a ``pack_input`` buffer: ``(state, packed samples)``."""
+    inp = unpack_input(buffer, ban, layout)
+    state, batch = _admit(state, inp)
+    logits, m = forward(params, cfg, state.model, batch, engram_map, logit_rows=inp.logit_rows)
+    return _sample(state._replace(model=m), logits, inp.logit_slots, inp.sampling, inp.ban, num_top)
+
+
+def trunk_step(params, state: DeviceState, buffer: jax.Array, engram_map, *, layout: tuple, cfg: ModelConfig,
+               keep: int, rows: int):
+    """A replay step's trunk (the module docstring): ``(state, Handoff)`` of ``rows`` kept rows."""
+    inp = unpack_input(buffer, None, layout)
+    state, batch = _admit(state, inp)
+    cut, m = forward_trunk(params, cfg, state.model, batch, engram_map, keep, rows)
+    return state._replace(model=m), Handoff(cut, cut.rows_of(inp.logit_rows), inp.logit_slots, inp.sampling)
+
+
+def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, *, cfg: ModelConfig, num_top: int,
+              rows: int):
+    """A replay step's tail on the first ``rows`` rows of its cut: ``(state, packed samples)``."""
+    logits, m = forward_tail(params, cfg, state.model, handoff.cut.take(rows), handoff.rows)
+    return _sample(state._replace(model=m), logits, handoff.slots, handoff.sampling, ban, num_top)
 
 
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
-                 window_fp8: bool = False):
+                 window_fp8: bool = False, programs: ProgramCache | None = None):
         self.params, self.cfg, self.engram_map = params, cfg, engram_map
         self.buckets, self.replay_keep, self.num_top = buckets, replay_keep, num_top
         self.max_running = max_running
@@ -206,7 +275,10 @@ class ModelRunner:
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
         self.no_ban = jnp.zeros((max_running, v), bool)  # the usual step's ban: on the device once
-        self._traces_at_start = TRACES
+        self.programs = programs or shared_programs()
+        self.handoff_rows = buckets.replay[-1] if buckets.replay else 0
+        self.signature = Signature.of(cfg, num_top, params, self.state, engram_map)
+        self._compiles_at_start = self.programs.compiles
 
     def _ratios(self) -> list[int]:
         return [self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids]
@@ -214,17 +286,25 @@ class ModelRunner:
     def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
         """Dispatch one step; returns its samples as ``SampleOutput.packed`` rows on the device,
         without waiting for them."""
-        replay = None if replay_rows is None else (self.replay_keep, replay_rows)
         buffer, ban, layout = pack_input(inp)
-        self.state, out = run_step(self.params, self.state, buffer, ban, self.engram_map, layout=layout,
-                                   cfg=self.cfg, num_top=self.num_top, replay=replay)
+        run, sig, cfg = self.programs.run, self.signature, self.cfg
+        if replay_rows is None:
+            self.state, out = run(("step", sig, layout), plain_step,
+                                  (self.params, self.state, buffer, ban, self.engram_map),
+                                  dict(layout=layout, cfg=cfg, num_top=self.num_top), donate=(1,))
+            return out
+        h = self.handoff_rows
+        self.state, handoff = run(("trunk", sig, layout, self.replay_keep, h), trunk_step,
+                                  (self.params, self.state, buffer, self.engram_map),
+                                  dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h), donate=(1,))
+        self.state, out = run(("tail", sig, h, replay_rows), tail_step, (self.params, self.state, handoff, ban),
+                              dict(cfg=cfg, num_top=self.num_top, rows=replay_rows), donate=(1,))
         return out
 
     @property
     def compile_count(self) -> int:
-        """Step compilations since this runner was built (any engine's)."""
-        return TRACES - self._traces_at_start
-
+        """Programs compiled since this runner was built (by any runner: they share the cache)."""
+        return self.programs.compiles - self._compiles_at_start
     def empty_input(self, tokens: int) -> StepInput:
         """An all-padding input of ``tokens`` rows (warm-up)."""
         s = b = self.max_running

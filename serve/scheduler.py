@@ -4,7 +4,7 @@ Each step the scheduler plans a ragged batch:
 
 1. every running request past its prefill decodes one token;
 2. requests in the middle of a prefill continue, then waiting requests are admitted FIFO
-   while slots, the per-step prefill budget and pages allow (chunked prefill);
+   while slots, the per-step token budget (decodes included) and pages allow (chunked prefill);
 3. pages are taken from the free list, then from the radix cache's unlocked leaves (LRU);
    if a decode still cannot get a page, the most recently admitted request is retracted
    (its pages freed, requeued at the front; its generated tokens are recomputed, and its
@@ -157,7 +157,7 @@ class Scheduler:
             if not self._reserve(req, req.computed + 1):
                 return None
             chunks.append(Chunk(req, req.computed, 1, True, False))
-        budget = self.prefill_budget
+        budget = self.prefill_budget - len(chunks)  # the step's decodes count (its token bucket)
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if budget <= 0:
                 break

@@ -76,10 +76,10 @@ def test_mixed_workload_compiles_within_buckets(tiny):
         if engine.has_work:
             engine.step()
     engine.run_until_idle()
-    shapes = engine.buckets.shapes()
-    REPORT["engine: compiled shapes in a 60-step mixed workload"] = (
-        f"{engine.runner.compile_count} of {len(shapes)} buckets over {engine.stats.steps} steps")
-    assert engine.runner.compile_count <= len(shapes) < engine.stats.steps
+    programs = engine.buckets.programs()
+    REPORT["engine: compiled programs in a 60-step mixed workload"] = (
+        f"{engine.runner.compile_count} of {len(programs)} bucket programs over {engine.stats.steps} steps")
+    assert engine.runner.compile_count <= len(programs) < engine.stats.steps
     assert engine.scheduler.used_pages == 0
 
 
@@ -135,15 +135,15 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
     import jax
     from jax.extend import core as jcore
 
-    import serve.runner as runner
     from mega import backend
+    from serve.programs import ProgramCache
 
-    seen, run_step = {}, runner.run_step
+    seen, run = {}, ProgramCache.run
 
-    def spy(*args, **kw):
+    def spy(self, key, fn, args, statics=None, donate=()):
         avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, args)
-        seen.setdefault((args[2].shape, kw["replay"]), (avals, kw))
-        return run_step(*args, **kw)
+        seen.setdefault((fn.__name__, key[2:]), (fn, avals, statics))
+        return run(self, key, fn, args, statics, donate)
 
     def loops(jaxpr):
         for eqn in jaxpr.eqns:
@@ -153,17 +153,17 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
                 if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
                     yield from loops(getattr(sub, "jaxpr", sub))
 
-    monkeypatch.setattr(runner, "run_step", spy)
+    monkeypatch.setattr(ProgramCache, "run", spy)
     engine = _engine(tiny, decoder_replay="approx")
     for p in prompts[:2]:
         engine.add_request(p, {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "seed": 1})
     engine.run_until_idle()
-    assert len({replay for _, replay in seen}) > 1      # replay and plain steps were both traced
+    assert {name for name, _ in seen} == {"plain_step", "trunk_step", "tail_step"}  # replay and plain steps
     monkeypatch.setattr(backend, "on_gpu", lambda: True)  # the programs as traced for the GPU
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     jax.clear_caches()   # (retraced, not the CPU's traces)
-    for avals, kw in seen.values():
-        found = list(loops(jax.make_jaxpr(functools.partial(run_step, **kw))(*avals).jaxpr))
+    for fn, avals, statics in seen.values():
+        found = list(loops(jax.make_jaxpr(functools.partial(fn, **statics))(*avals).jaxpr))
         assert not found, found
 
 

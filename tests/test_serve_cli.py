@@ -58,3 +58,63 @@ def test_fp8_experts_on_the_default_model_exit_with_the_reason():
     r = subprocess.run([sys.executable, "-m", "serve", "--quantization", "fp8", "--no-warmup", "--port",
                         str(_free_port())], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 2 and "divisible by 128" in r.stderr, r.stderr[-2000:]
+
+
+def test_readme_server_starts_within_its_program_budget():
+    """``python -m serve`` exactly as the README runs it (warm-up on, port 30000): healthy, one
+    chat through the official client, and the process's mappings and RSS within the budget
+    all along (it used to pass vm.max_map_count during warm-up and die: issue 42)."""
+    import threading
+
+    import openai
+
+    from serve.programs import MAP_SHARE
+
+    with open("/proc/sys/vm/max_map_count") as f:
+        ceiling = int(int(f.read()) * MAP_SHARE)
+    proc = subprocess.Popen([sys.executable, "-m", "serve"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peak = {"maps": 0}
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set() and proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/maps", "rb") as f:
+                    peak["maps"] = max(peak["maps"], sum(1 for _ in f))
+            except OSError:
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if urllib.request.urlopen("http://127.0.0.1:30000/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise AssertionError(f"not healthy (exit code {proc.poll()})")
+        client = openai.OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="none")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
+                                               max_tokens=16)
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
+        with open(f"/proc/{proc.pid}/status") as f:
+            hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        done.set()
+        watcher.join()
+        assert 0 < peak["maps"] < ceiling, peak
+        assert hwm_kb < 3 << 20, f"peak RSS {hwm_kb >> 10} MB"
+    finally:
+        done.set()
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out = proc.stdout.read() if proc.stdout else ""
+    assert "Traceback" not in out, out[-2000:]
