@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,19 +25,6 @@ sys.path.append(str(ROOT))
 def _hwm_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
-
-
-class Peak(threading.Thread):
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.maps, self.stop = 0, threading.Event()
-
-    def run(self):
-        from serve.programs import process_maps
-
-        while not self.stop.is_set():
-            self.maps = max(self.maps, process_maps() or 0)
-            time.sleep(0.05)
 
 
 def measure_steps(engine, steps) -> list[dict]:
@@ -71,10 +57,9 @@ def main() -> int:
     from bench.gpu_common import commit
     from serve.default_model import default_config, default_params
     from serve.engine import Engine, EngineConfig
-    from serve.programs import process_maps, shared_programs
+    from serve.programs import PeakMaps, process_maps, shared_programs
 
-    peak = Peak()
-    peak.start()
+    peak = PeakMaps(every=0.05)
     cfg = default_config()
     params = default_params(cfg)
     t0 = time.perf_counter()
@@ -82,7 +67,7 @@ def main() -> int:
     built_s = time.perf_counter() - t0
     warm = measure_steps(engine, engine.warmup_steps())
     warm_s = time.perf_counter() - t0
-    after_warmup = {"maps": process_maps(), "peak_maps": peak.maps, "peak_rss_mb": round(_hwm_mb())}
+    after_warmup = {"maps": process_maps(), "peak_maps": peak.peak, "peak_rss_mb": round(_hwm_mb())}
 
     rng = __import__("numpy").random.default_rng(0)
     c = engine.config
@@ -94,13 +79,13 @@ def main() -> int:
         engine.generate([rng.integers(3, cfg.vocab_size, 9).tolist() for _ in range(b)],
                         {"max_new_tokens": 4, "temperature": 0.7}, decode_text=False)
     workload = {"s": round(time.perf_counter() - t1, 1), "prompt_lengths": lengths,
-                "batch_sizes": list(range(1, c.max_running + 1)), "peak_maps": peak.maps,
+                "batch_sizes": list(range(1, c.max_running + 1)), "peak_maps": peak.peak,
                 "peak_rss_mb": round(_hwm_mb()), "programs": engine.program_info()}
 
     shared_programs().clear()  # the programs before the split: a whole forward per prefill bucket
     plain = Engine(params, cfg, EngineConfig(decoder_replay="off", max_programs=8))
     before = measure_steps(plain, [(t, None) for t in args.plain_prefill if t in plain.buckets.prefill])
-    peak.stop.set()
+    peak.stop()
     result = {"bench": "programs", "commit": commit(), "device": str(jax.devices()[0].device_kind),
               "platform": platform.platform(), "jax": jax.__version__,
               "model": "embedded default (serve.default_model)", "engine_config": {**c.__dict__,

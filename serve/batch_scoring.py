@@ -30,7 +30,11 @@ def _bucketed(sequences: list[list[int]], batch_size: int):
 
 
 def _run(runner, fn, tokens, lengths):
-    return runner.programs.run((fn.__name__, runner.signature, tokens.shape), fn,
+    """``fn`` (model.scoring) on one padded batch, through the program held for its shape."""
+    def program(params, tokens, lengths, engram_map, *, cfg):
+        return fn(params, cfg, tokens, lengths, engram_map)
+
+    return runner.programs.run((fn.__name__, runner.signature, tokens.shape), program,
                                (runner.params, tokens, lengths, runner.engram_map), dict(cfg=runner.cfg))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,13 +49,36 @@ def _read_int(path: str, default: int | None) -> int | None:
         return default
 
 
-def process_maps() -> int | None:
-    """The process's memory mappings now (None where the OS does not say)."""
+def process_maps(pid: int | str = "self") -> int | None:
+    """A process's memory mappings now (None where the OS does not say, or it has gone)."""
     try:
-        with open("/proc/self/maps", "rb") as f:
+        with open(f"/proc/{pid}/maps", "rb") as f:
             return sum(1 for _ in f)
     except OSError:
         return None
+
+
+class PeakMaps(threading.Thread):
+    """The most mappings a process had while watched (sampled every ``every`` s): for the
+    benchmarks and the test that hold the budget to its promise."""
+
+    def __init__(self, pid: int | str = "self", every: float = 0.1):
+        super().__init__(daemon=True)
+        self.pid, self.every, self.peak, self._done = pid, every, 0, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            maps = process_maps(self.pid)
+            if maps is None:
+                return
+            self.peak = max(self.peak, maps)
+            self._done.wait(self.every)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return self.peak
 
 
 def process_rss() -> int:

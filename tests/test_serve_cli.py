@@ -64,30 +64,15 @@ def test_readme_server_starts_within_its_program_budget():
     """``python -m serve`` exactly as the README runs it (warm-up on, port 30000): healthy, one
     chat through the official client, and the process's mappings and RSS within the budget
     all along (it used to pass vm.max_map_count during warm-up and die: issue 42)."""
-    import threading
-
     import openai
 
-    from serve.programs import MAP_SHARE
+    from serve.programs import MAP_SHARE, PeakMaps
 
     with open("/proc/sys/vm/max_map_count") as f:
         ceiling = int(int(f.read()) * MAP_SHARE)
     proc = subprocess.Popen([sys.executable, "-m", "serve"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    peak = {"maps": 0}
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set() and proc.poll() is None:
-            try:
-                with open(f"/proc/{proc.pid}/maps", "rb") as f:
-                    peak["maps"] = max(peak["maps"], sum(1 for _ in f))
-            except OSError:
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    peak = PeakMaps(proc.pid)
     try:
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None:
@@ -105,12 +90,11 @@ def test_readme_server_starts_within_its_program_budget():
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
         with open(f"/proc/{proc.pid}/status") as f:
             hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        done.set()
-        watcher.join()
-        assert 0 < peak["maps"] < ceiling, peak
+        maps = peak.stop()
+        assert 0 < maps < ceiling, (maps, ceiling)
         assert hwm_kb < 3 << 20, f"peak RSS {hwm_kb >> 10} MB"
     finally:
-        done.set()
+        peak.stop()
         proc.terminate()
         try:
             proc.wait(timeout=60)
