@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--max-len", type=int, default=4096, help="serve.generate's default context length")
+    ap.add_argument("--only", choices=["generate", "score"])
     args = ap.parse_args()
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
@@ -54,15 +55,17 @@ def main() -> int:
         gen += [{"input_ids": rng.integers(3, vocab, 9).tolist(),
                  "sampling_params": {"max_new_tokens": 24, "temperature": 0.7}} for _ in range(16)]
         (tmp / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gen))
-        score_lengths = [2 ** k for k in range(1, 14)]  # every bucket to the default --max-len 8192
+        score_lengths = [2 ** k for k in range(1, 13)]  # every bucket to the default --max-len 4096
         (tmp / "score.jsonl").write_text("".join(json.dumps({"input_ids": rng.integers(3, vocab, n).tolist()}) + "\n"
                                                  for n in score_lengths))
         py = sys.executable
-        rows = [run([py, "-m", "serve.generate", "--model", args.model, "--input", str(tmp / "gen.jsonl"),
-                     "--output", str(tmp / "gen.out")]),
-                run([py, "-m", "serve.score", "--model", args.model, "--input", str(tmp / "score.jsonl"),
-                     "--output", str(tmp / "score.out")])]
-    rows[0]["prompt_lengths"], rows[1]["sequence_lengths"] = lengths, score_lengths
+        rows = []
+        if args.only in (None, "generate"):
+            rows.append(run([py, "-m", "serve.generate", "--model", args.model, "--input", str(tmp / "gen.jsonl"),
+                             "--output", str(tmp / "gen.out")]) | {"prompt_lengths": lengths})
+        if args.only in (None, "score"):
+            rows.append(run([py, "-m", "serve.score", "--model", args.model, "--input", str(tmp / "score.jsonl"),
+                             "--output", str(tmp / "score.out")]) | {"sequence_lengths": score_lengths})
     text = json.dumps({"bench": "programs_cli", "model": args.model, "runs": rows}, indent=1)
     if args.out:
         args.out.write_text(text)

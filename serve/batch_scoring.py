@@ -12,17 +12,22 @@ def bucket_length(n: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
 
 
+MAX_TOKENS = 4096  # tokens of one forward: 8 x 8,192 rows in one took 17.7 GB (bench/RESULTS.md)
+
+
 def _bucketed(sequences: list[list[int]], batch_size: int):
-    """``(members, tokens [batch_size, L], lengths)`` per padded batch, shortest sequences first."""
+    """``(members, tokens [rows, L], lengths)`` per padded batch, shortest sequences first; a
+    batch holds ``batch_size`` rows, fewer where they would pass ``MAX_TOKENS``."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     groups: dict[int, list[int]] = {}
     for i in order:
         groups.setdefault(bucket_length(len(sequences[i])), []).append(i)
     for length, members in groups.items():
-        for k in range(0, len(members), batch_size):
-            rows = members[k:k + batch_size]
-            tokens = np.zeros((batch_size, length), np.int32)
-            lengths = np.zeros((batch_size,), np.int32)
+        per_batch = min(batch_size, max(1, MAX_TOKENS // length))
+        for k in range(0, len(members), per_batch):
+            rows = members[k:k + per_batch]
+            tokens = np.zeros((per_batch, length), np.int32)
+            lengths = np.zeros((per_batch,), np.int32)
             for r, i in enumerate(rows):
                 tokens[r, :len(sequences[i])] = sequences[i]
                 lengths[r] = len(sequences[i])

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", required=True, type=Path, help='JSONL, one {"input_ids": [...]} per line')
     ap.add_argument("--output", required=True, type=Path, help='JSONL, one {"token_logprobs": [...]} per line')
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--max-len", type=int, default=4096, help="the longest sequence (one forward, from an empty state)")
     args = ap.parse_args(argv)
     if args.batch_size <= 0 or args.max_len <= 0:
         ap.error("--batch-size and --max-len must be positive")

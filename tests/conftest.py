@@ -34,8 +34,11 @@ def _free_compiled_programs():
     ends: run whole in one process, the suite grew to ~11 GB and then aborted inside an XLA
     compile late in the run (every module passes alone), on a 24 GB machine without swap;
     the two test workers each run many modules."""
+    from serve.programs import shared_programs
+
     yield
     jax.clear_caches()
+    shared_programs().clear()
     interp = sys.modules.get("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     if interp is not None:
         interp.reset_gpu_interpret_mode_state()
