@@ -197,7 +197,8 @@ class ProgramCache:
         self.compiles += 1
         b = self.budget
         if maps0 is not None:
-            b.base_maps = maps0 if self.compiles == 1 else b.base_maps
+            if self.compiles == 1:
+                b.base_maps = maps0
             b.map_cost = max(b.map_cost, process_maps() - maps0)
         if self.compiles > 1:  # the first compile also sets up the compiler itself (~300 MB)
             b.rss_cost = max(b.rss_cost, process_rss() - rss0)
