@@ -4,12 +4,19 @@ Model: V4.1-Flash widths (hidden 5120, 64 heads x 512, q_lora 1280, o_lora 1024 
 window 128, indexer 32 x 128 with top-512, experts 2304 wide, top-6, one shared expert) at
 four layers (ratios 0, 2, 1, 1: a ratio-2 and a ratio-1 KV source, three index sources,
 Engram on layer 1) and 16 routed experts instead of 384 so that one GPU holds it; random
-weights, bf16. Modes, each in its own process (the kernel choice is made when a step is traced):
+weights. The engine is built as ``python -m serve --model DIR`` builds it
+(``Engine.from_model_dir``), on checkpoints this script writes first with ``checkpoints.export``
+(one process, before the modes): ``bf16`` (plain bf16) and ``v41`` (the release's format: fp8
+linears with 32 x 32 UE8M0 block scales, MXFP4 routed experts, an e4m3 Engram table). Modes,
+each in its own process (the kernel choice is made when a step is traced):
 
-* ``reference``: ``MEGAJAX_KERNELS=reference``, every mega operator on its XLA reference;
+* ``reference``: the bf16 checkpoint, ``MEGAJAX_KERNELS=reference``, every mega operator on its XLA reference;
 * ``pallas``: ``MEGAJAX_KERNELS=pallas``, MegaAttention and MegaMoE on their kernels;
 * ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the window ring stored in FP8);
-* ``fp32``: the reference with the same weights in fp32: the ground truth of the checks;
+* ``fp32``: the bf16 checkpoint loaded with ``dtype="float32"`` (the reference paths): the ground
+  truth of the bf16 modes' checks;
+* ``v41``, ``v41_reference``, ``v41_fp32``: the same three on the release-format checkpoint
+  (``v41_fp32`` the truth of the other two);
 * (not by default) ``pallas_fp8w``, ``pallas_mxfp4``, ``pallas_w8a8``: ``pallas`` with the
   experts quantised at load (``EngineConfig.quantization``: fp8 or MXFP4 weights, or W8A8).
 
@@ -55,8 +62,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ROOT, gpu_state, run_info, traced_events, write  # noqa: E402
 
-MODES = ("reference", "pallas", "pallas_fp8", "fp32")
+MODES = ("reference", "pallas", "pallas_fp8", "fp32", "v41", "v41_reference", "v41_fp32")
 QUANTIZED_MODES = {"pallas_fp8w": "fp8", "pallas_mxfp4": "mxfp4", "pallas_w8a8": "w8a8"}
+CHECKPOINTS = Path(os.environ.get("MEGAJAX_BENCH_CKPT", "/tmp/megajax_engine_gpu"))
+
+
+def truth_of(mode: str) -> str:
+    return "v41_fp32" if mode.startswith("v41") else "fp32"
+
+
+def write_checkpoints(smoke: bool) -> None:
+    """The bf16 and release-format checkpoints of the bench model (one random init), as ``PART`` lines."""
+    import jax.numpy as jnp
+
+    from checkpoints.export import save_checkpoint
+    from checkpoints.formats import BF16, V41
+    from checkpoints.init import init_params
+
+    cfg = config(smoke)
+    params = init_params(cfg, seed=0, dtype=jnp.bfloat16)
+    for name, fmt in (("bf16", BF16), ("v41", V41)):
+        t0 = time.perf_counter()
+        files = save_checkpoint(params, cfg, CHECKPOINTS / name, fmt)
+        print("PART " + json.dumps({name: {"write_s": time.perf_counter() - t0,
+                                           "bytes": sum(f.stat().st_size for f in files)}}), flush=True)
 
 
 def config(smoke: bool):
@@ -88,24 +117,24 @@ def run_mode(mode: str, smoke: bool) -> None:
     """One mode's timings and outputs as ``PART`` lines (call in a fresh process: the kernel
     choice is fixed at trace time)."""
     # (the smoke run on CPU exercises the script only: references everywhere)
-    os.environ["MEGAJAX_KERNELS"] = "pallas" if mode.startswith("pallas") and not smoke else "reference"
+    kernels = mode.startswith("pallas") or mode == "v41"
+    os.environ["MEGAJAX_KERNELS"] = "pallas" if kernels and not smoke else "reference"
     import jax
-    import jax.numpy as jnp
 
-    from checkpoints.init import init_params
     from serve.engine import Engine, EngineConfig
 
     def part(key, value):
         print("PART " + json.dumps({key: value}), flush=True)
 
-    cfg = config(smoke)
     t0 = time.perf_counter()
-    params = init_params(cfg, seed=0, dtype=jnp.float32 if mode == "fp32" else jnp.bfloat16)
-    engine = Engine(params, cfg, EngineConfig(max_running=32, max_len=256, prefill_budget=4096, prefix_cache=False,
-                                              kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto",
-                                              quantization=QUANTIZED_MODES.get(mode, "none")))
-    part("setup", {"kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend(),
-                   "init_s": time.perf_counter() - t0})
+    ckpt = CHECKPOINTS / ("v41" if mode.startswith("v41") else "bf16")
+    config_ = EngineConfig(max_running=32, max_len=256, prefill_budget=4096, prefix_cache=False,
+                           kv_cache_dtype="fp8_e4m3" if mode == "pallas_fp8" else "auto",
+                           quantization=QUANTIZED_MODES.get(mode, "none"),
+                           dtype="float32" if mode.endswith("fp32") else "bfloat16")
+    engine = Engine.from_model_dir(ckpt, config_)
+    part("setup", {"kernels": os.environ["MEGAJAX_KERNELS"], "backend": jax.default_backend(), "checkpoint": ckpt.name,
+                   "init_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths})
     batch = prompts(smoke)
     passes = {}
     for name, new in (("prefill", 1), ("decode", 64)):
@@ -187,11 +216,15 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child process: run one mode
+    ap.add_argument("--write", action="store_true", help=argparse.SUPPRESS)  # a child: write the checkpoints
     ap.add_argument("--timeout", type=int, default=240, help="seconds per mode")
     ap.add_argument("--name", default="engine_gpu", help="JSON file name under $OUT")
     args = ap.parse_args()
     if args.mode:
         run_mode(args.mode, args.smoke)
+        return
+    if args.write:
+        write_checkpoints(args.smoke)
         return
     unknown = set(args.modes.split(",")) - {*MODES, *QUANTIZED_MODES}
     if unknown:
@@ -199,8 +232,8 @@ def main():
 
     results, errors = {}, {}
     state_start = gpu_state()   # (run_info, which starts JAX here, waits: the children need the GPU's memory)
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode] + ["--smoke"] * args.smoke
+    for mode in ["write"] + args.modes.split(","):
+        cmd = [sys.executable, __file__] + (["--write"] if mode == "write" else ["--mode", mode]) + ["--smoke"] * args.smoke
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
             stdout, failed = proc.stdout, proc.returncode and proc.stderr[-3000:]
@@ -217,9 +250,12 @@ def main():
         print(mode, summary, "" if not failed else "FAILED: " + failed[-1500:], flush=True)
     payload = {**run_info(), "gpu_state_start": state_start, "results": results, "errors": errors}
     done = {m: r for m, r in results.items() if "decode" in r}
-    for truth in ("fp32", "reference"):
-        if truth in done:
-            payload[f"vs_{truth}"] = {m: compare(done[truth], r) for m, r in done.items() if m != truth}
+    payload["vs_truth"] = {m: {"truth": truth_of(m), **compare(done[truth_of(m)], r)} for m, r in done.items()
+                           if truth_of(m) in done and m != truth_of(m)}
+    for peer in ("reference", "v41_reference"):   # the kernels against the XLA path on the same checkpoint
+        if peer in done:
+            payload[f"vs_{peer}"] = {m: compare(done[peer], r) for m, r in done.items()
+                                     if m != peer and truth_of(m) == truth_of(peer) and m != truth_of(m)}
     print(json.dumps({k: v for k, v in payload.items() if k.startswith("vs_")}, indent=1))
     print("wrote", write(args.name + "_smoke" * args.smoke, payload))
     if errors:

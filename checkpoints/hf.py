@@ -1,103 +1,125 @@
 """Load an HF-format V4.1 checkpoint (``config.json`` + safetensors) into the param pytree.
 
-Accepts a single ``model.safetensors`` or a sharded set with ``model.safetensors.index.json``.
-Every tensor named by ``model.params.param_specs`` must be present with the expected
-shape and a floating dtype; unknown tensors are an error, except the parts of the
-release the model does not run yet (DSpark ``mtp.*``, the vision tower), which are
-skipped like the reference skips them. Errors list every offending name.
+Accepts a single ``model.safetensors`` or a sharded set with ``model.safetensors.index.json``,
+named as the release names its tensors (``embed.weight``, ``layers.0.attn.wq_a.weight``) or as
+``transformers`` saves them (``model.embed.weight``, ``lm_head.weight``). Every tensor named by
+``model.params.param_specs`` must be present with the expected shape and a dtype its role may
+have in the format ``config.json`` declares (``checkpoints.formats``); the DSpark draft tensors
+(``mtp.*``) are loaded when present, all or none; the vision tower is skipped with one log line;
+any other tensor is an error. Every problem is checked before anything is read, and the error
+lists each offending tensor by name.
+
+Tensors are read one at a time from the shards' memory maps (``checkpoints.safetensors_io``),
+placed on the device and converted there (fp8 linears dequantised to the model dtype, MXFP4
+experts into the kernels' ``Fp4Weight``), so host memory holds about one tensor, not the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
-import numpy as np
 
+from checkpoints.formats import CheckpointError, CheckpointFormat, scale_name
+from checkpoints.safetensors_io import SafetensorsError, Shards
 from model.config import ModelConfig
-from model.params import build_tree, param_specs
+from model.params import ParamSpec, build_tree, param_specs, transformers_name
 
-IGNORED = re.compile(r"^(mtp\.|vision\.|aligner\.|markov_head\.|confidence_head\.|image_(start|end|newline)$)")
-_FLOAT_DTYPES = {"F32", "F16", "BF16"}
+__all__ = ["CheckpointError", "load_params", "load_tensors"]
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config (names, shapes or dtypes)."""
+VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
+log = logging.getLogger("megajax")
 
 
-def shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {model_dir}")
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"shards named by the index are missing: {missing}")
-    return files
-
-
-def _open_all(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """name -> (file, dtype string, shape), read from the safetensors headers only."""
-    out = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                out[name] = (f, meta["dtype"], tuple(meta["shape"]))
-    return out
-
-
-def load_params(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: Any = jnp.float32) -> dict:
-    """The param pytree of ``model_dir`` (config read from it unless given), cast to ``dtype``
-    (mHC, sinks and router biases stay fp32)."""
-    from safetensors import safe_open
-
+def load_params(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: Any = jnp.float32,
+                progress: bool = False) -> dict:
+    """The param pytree of ``model_dir`` (config read from it unless given) in the model dtype
+    ``dtype`` (mHC, sinks and router biases stay fp32; quantised experts and Engram tables stay
+    quantised). ``progress``: a progress bar of tensors and bytes on stderr."""
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_json(model_dir)
-    available = _open_all(shard_files(model_dir))
-    specs = param_specs(cfg)
-    expected = {name: (spec, k) for spec in specs for k, name in enumerate(spec.hf_names)}
-    problems = []
-    missing = sorted(set(expected) - set(available))
+    config = model_dir / "config.json"
+    fmt = CheckpointFormat.from_config(json.loads(config.read_text()) if config.exists() else {})
+    try:
+        shards = Shards(model_dir)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    with shards:
+        return load_tensors(shards, cfg, fmt, dtype, progress, str(model_dir))
+
+
+def load_tensors(source, cfg: ModelConfig, fmt: CheckpointFormat, dtype: Any = jnp.float32,
+                 progress: bool = False, where: str = "checkpoint") -> dict:
+    """The param pytree from ``source``: ``tensors`` (name -> ``TensorInfo``) and ``read(name)``
+    (a host array), as ``Shards`` has; the exporter's in-memory copy passes its own."""
+    from tqdm import tqdm
+
+    plan = _plan(cfg, fmt, source.tensors, where)
+    info = source.tensors
+    total = sum(info[n].nbytes + (info[scale_name(n)].nbytes if k in ("fp8", "mxfp4") else 0)
+                for _, tensors in plan for n, k in tensors)
+    leaves = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {sum(len(t) for _, t in plan)} tensors",
+              disable=not progress, leave=False) as bar:
+        for spec, tensors in plan:
+            parts = []
+            for name, kind in tensors:
+                w = jnp.asarray(source.read(name))
+                s = jnp.asarray(source.read(scale_name(name))) if kind in ("fp8", "mxfp4") else None
+                parts.append(fmt.decode(spec, kind, w, s, dtype))
+                bar.update(w.nbytes + (0 if s is None else s.nbytes))
+            leaves[spec.path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts) if spec.stacked else parts[0]
+    return build_tree(cfg, leaves)
+
+
+def _plan(cfg: ModelConfig, fmt: CheckpointFormat, available: dict, where: str
+          ) -> list[tuple[ParamSpec, list[tuple[str, str]]]]:
+    """Per parameter, its tensors and how each is stored; CheckpointError listing every problem."""
+    hf_naming = "model.embed.weight" in available
+    draft = any(n.startswith("mtp.") for n in available)
+    specs = param_specs(cfg, draft=draft)
+    specs = [dataclasses.replace(s, names=tuple(map(transformers_name, s.names)))
+             if hf_naming and s.path[0] != "mtp" else s for s in specs]
+    problems, plan, claimed = [], [], set()
+    missing = [n for s in specs for n in s.names if n not in available]
     if missing:
         problems.append(f"missing tensors: {_summary(missing)}")
-    unexpected = sorted(n for n in set(available) - set(expected) if not IGNORED.match(n))
+    for spec in specs:
+        tensors = []
+        for name in spec.names:
+            if name not in available:
+                continue
+            scale = available.get(scale_name(name)) if spec.role != "table" else None
+            try:
+                kind = fmt.stored_kind(spec, name, available[name], scale)
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            claimed.add(name)
+            if kind in ("fp8", "mxfp4"):
+                claimed.add(scale_name(name))
+            tensors.append((name, kind))
+        if len({k for _, k in tensors}) > 1:
+            problems.append(f"{spec.names[0]} ...: its tensors mix formats {sorted({k for _, k in tensors})}")
+        plan.append((spec, tensors))
+    vision = [n for n in available if VISION.match(n)]
+    expected = {n for s in specs for n in s.names}
+    unexpected = sorted(n for n in set(available) - claimed - set(vision) - expected   # (bad ones: said above)
+                        if not (n.endswith(".scale") and n.removesuffix(".scale") + ".weight" in expected))
     if unexpected:
         problems.append(f"unexpected tensors: {_summary(unexpected)}")
-    for name, (spec, _) in expected.items():
-        if name not in available:
-            continue
-        _, dt, shape = available[name]
-        want = spec.shape[1:] if spec.stacked else spec.shape
-        if shape != want:
-            problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
-        if dt not in _FLOAT_DTYPES:
-            problems.append(f"{name}: dtype {dt} is not supported (expected one of {sorted(_FLOAT_DTYPES)})")
     if problems:
-        raise CheckpointError(f"checkpoint {model_dir} does not match its config:\n  " + "\n  ".join(problems))
-
-    handles = {f: safe_open(str(f), framework="numpy") for f in {v[0] for v in available.values()}}
-
-    def read(name: str) -> np.ndarray:
-        return handles[available[name][0]].get_tensor(name)
-
-    leaves = {}
-    for spec in specs:
-        arrays = [read(n) for n in spec.hf_names]
-        value = np.stack(arrays) if spec.stacked else arrays[0]
-        leaves[spec.path] = jnp.asarray(value, dtype=spec.dtype(dtype))
-    return build_tree(cfg, leaves)
+        raise CheckpointError(f"{where} does not match its config:\n  " + "\n  ".join(problems))
+    if vision:
+        log.info("skipped %d vision tensors (vision.*, aligner.*, image_*): megajax serves the text model", len(vision))
+    if draft:
+        log.info("loaded the DSpark draft stack (mtp.0-%d)", cfg.num_nextn_predict_layers - 1)
+    return plan
 
 
 def _summary(names: list[str], limit: int = 8) -> str:

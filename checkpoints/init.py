@@ -43,9 +43,10 @@ def _draw(spec: ParamSpec, key: jax.Array) -> jnp.ndarray:
     raise ValueError(f"unknown init {spec.init!r} for {spec.path}")
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, draft: bool = False) -> dict:
+    """Random parameters of ``cfg`` (with ``draft``, the DSpark draft layers' too)."""
     root = jax.random.PRNGKey(seed)
     leaves = {}
-    for i, spec in enumerate(param_specs(cfg)):
+    for i, spec in enumerate(param_specs(cfg, draft)):
         leaves[spec.path] = _draw(spec, jax.random.fold_in(root, i)).astype(spec.dtype(dtype))
     return build_tree(cfg, leaves)

@@ -29,11 +29,20 @@ from mega.primitives import apply_rope
 from pallas_kernels.sparse_attention import Fp8Pool, sparse_mqa, sparse_mqa_reference
 
 
-def _kernel_fits(q: jnp.ndarray, pools) -> bool:
-    _, h, d = q.shape
-    return (backend.mode() in ("pallas", "interpret") and q.dtype == jnp.bfloat16
-            and all(p[0].dtype == (jnp.bfloat16 if len(p) == 2 else jnp.float8_e4m3fn) for p in pools)
-            and h % 64 == 0 and d % 128 == 0 and d <= 512)
+def kernel_path(dtype, heads: int, head_dim: int, pool_dtypes) -> backend.Path:
+    """Which implementation runs for queries of ``dtype`` and KV pools stored as ``pool_dtypes``."""
+    why = backend.kernels_off()
+    if why is None and jnp.dtype(dtype) != jnp.bfloat16:
+        why = f"{jnp.dtype(dtype).name} activations; the kernel takes bfloat16"
+    if why is None and any(jnp.dtype(p) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+                           for p in pool_dtypes):
+        why = f"KV pools of {[jnp.dtype(p).name for p in pool_dtypes]}"
+    if why is None and (heads % 64 or head_dim % 128 or head_dim > 512):
+        why = f"{heads} heads x {head_dim}; the kernel takes heads in 64s and head_dim in 128s up to 512"
+    if why is not None:
+        return backend.Path.reference(why)
+    fp8 = jnp.dtype(pool_dtypes[0]) == jnp.float8_e4m3fn
+    return backend.Path(True, "pallas sparse MQA" + (" (fp8 window pool)" if fp8 else ""))
 
 
 @jax.named_scope("mega_attention")  # prefixes its ops' names in HLO dumps and XProf
@@ -43,7 +52,8 @@ def attention(q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, window_kv: jnp
     q = apply_rope(q, cos[:, None], sin[:, None])
     window = Fp8Pool(*window_kv, window_idx) if isinstance(window_kv, tuple) else (window_kv, window_idx)
     pools = [window] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
-    if _kernel_fits(q, pools):
+    _, h, d = q.shape
+    if kernel_path(q.dtype, h, d, [p[0].dtype for p in pools]).kernel:
         out = sparse_mqa(q, pools, sink, scale, interpret=backend.interpret_params())
     else:
         out = sparse_mqa_reference(q, pools, sink, scale)

@@ -10,6 +10,7 @@ when an operator is traced: jitted callers keep the choice of their first trace.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 
@@ -29,6 +30,25 @@ def mode() -> str:
     if m == "auto":
         return "pallas" if on_gpu() else "reference"
     return m
+
+
+class Path(NamedTuple):
+    """Which implementation an operator runs for its operands, and in words (the start-up log)."""
+
+    kernel: bool
+    text: str
+
+    @classmethod
+    def reference(cls, why: str) -> "Path":
+        return cls(False, f"reference ({why})")
+
+
+def kernels_off() -> str | None:
+    """Why the mega operators run their references whatever the inputs, or None (kernels allowed)."""
+    m = mode()
+    if m in ("pallas", "interpret"):
+        return None
+    return "no GPU" if os.environ.get("MEGAJAX_KERNELS", "auto") == "auto" else f"MEGAJAX_KERNELS={m}"
 
 
 def interpret_params():

@@ -13,14 +13,16 @@ import jax.numpy as jnp
 
 from mega.mhc import Update, hc_expand
 from mega.primitives import linear
+from pallas_kernels.fp4 import scale_values
 
 
 def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -> jnp.ndarray:
-    """``[T, cols * head_dim]`` float32 rows for ``hash_ids [T, cols]``."""
+    """``[T, cols * head_dim]`` float32 rows for ``hash_ids [T, cols]`` (an e4m3 table's scales:
+    UE8M0 bytes, as the release stores them, or floats)."""
     rows = table[hash_ids]
     if rows.dtype == jnp.float8_e4m3fn:
         block = rows.shape[-1] // scale.shape[-1]
-        s = scale[hash_ids].astype(jnp.float32)
+        s = scale_values(scale[hash_ids])
         rows = (rows.astype(jnp.float32).reshape(*rows.shape[:-1], -1, block) * s[..., None]).reshape(rows.shape)
     return rows.astype(jnp.float32).reshape(hash_ids.shape[0], -1)
 

@@ -31,6 +31,7 @@ sizes, and one read of the rows at prefill sizes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +97,18 @@ def _format(ws) -> str | None:
 def quantize_experts(p: dict, fmt: str = "fp8") -> dict:
     """An MoE parameter dict with its routed and shared expert weights quantised: ``fmt`` "fp8"
     (``QuantizedWeight``: e4m3, one power-of-two scale per 128 x 128 block) or "mxfp4"
-    (``Fp4Weight``: e2m1, one power-of-two scale per 32); ValueError if a dimension does not
-    divide into the format's blocks."""
+    (``Fp4Weight``: e2m1, one power-of-two scale per 32); weights already in ``fmt`` are kept.
+    ValueError if a dimension does not divide into the format's blocks, or a weight is quantised
+    in another format."""
     kind, rows, cols = FORMATS[fmt]
 
     def quantized(w):
+        if isinstance(w, kind):
+            return w
+        if isinstance(w, (QuantizedWeight, Fp4Weight)):
+            have = next(k for k, f in FORMATS.items() if isinstance(w, f[0]))
+            raise ValueError(f"these expert weights are {have} already (as the checkpoint stores them); "
+                             f"they are not converted to {fmt}")
         if w.shape[-2] % rows or w.shape[-1] % cols:
             raise ValueError(f"{fmt} expert weights need dimensions divisible by {rows} x {cols}, "
                              f"got {tuple(w.shape)}")
@@ -145,8 +153,9 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
 
 
-def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: int, fmt: str):
-    """(gate/up, down) Pallas block configs for these shapes, or None when the reference runs.
+def kernel_configs(n_rows: int, n_experts: int, d: int, inter: int, fmt: str):
+    """(gate/up, down) Pallas block configs for these shapes, or None where the sizes do not
+    divide into their tiles.
 
     From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): below 128 rows per expert the
     weight stream is the bound; up to 16 rows per expert on average, swapped 32-row tiles (rows
@@ -199,8 +208,48 @@ def _kernel_configs(x: jnp.ndarray, n_rows: int, n_experts: int, d: int, inter: 
         cfgs = GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)
     fits = all(n % c.block_n == 0 and kk % c.block_k == 0
                for c, n, kk in ((cfgs[0], inter, d), (cfgs[1], d, inter)))
-    use = backend.mode() in ("pallas", "interpret") and x.dtype == jnp.bfloat16 and fits
-    return cfgs if use else None
+    return cfgs if fits else None
+
+
+class MoePlan(NamedTuple):
+    """How ``moe`` runs: the kernels' format and block configs (None: the reference), whether the
+    shared expert rides in the routed launches, and the choice in words."""
+
+    fmt: str | None
+    cfgs: tuple | None
+    fuse_shared: bool
+    path: backend.Path
+
+
+def plan(dtype, p: dict, spec: MoeSpec, n_rows: int) -> MoePlan:
+    """The plan for ``n_rows`` (token, expert) rows of activations of ``dtype`` through experts ``p``."""
+    n_experts, inter, d = p["w1"].shape
+    shared = p.get("shared")
+    routed = [p[k] for k in EXPERT_WEIGHTS]
+    every = routed + ([shared[k] for k in EXPERT_WEIGHTS] if shared is not None else [])
+    both = _format(every)
+    fmt = _format(routed) if both is None else both   # None: MXFP4 beside another kind
+    why = backend.kernels_off()
+    if why is None and jnp.dtype(dtype) != jnp.bfloat16:
+        why = f"{jnp.dtype(dtype).name} activations; the kernels take bfloat16"
+    if why is None and spec.fp8_activations:   # the W8A8 kernels take fp8 weights only, routed and shared
+        fmt = "w8a8" if all(isinstance(w, QuantizedWeight) for w in every) else None
+        why = None if fmt else "W8A8 needs fp8 expert weights, routed and shared"
+    if why is None and fmt is None:
+        why = "the routed experts mix MXFP4 with other formats"
+    cfgs = None if why else kernel_configs(n_rows, n_experts, d, inter, fmt)
+    if why is None and cfgs is None:
+        why = f"expert sizes {d} x {inter} do not divide into the {fmt} kernels' tiles"
+    if why:
+        return MoePlan(None, None, False, backend.Path.reference(why))
+    fuse = (shared is not None and both is not None
+            and shared["w1"].shape == (inter, d) and shared["w2"].shape == (d, inter))
+    text = f"pallas {fmt}"
+    if shared is not None:
+        text += (", the shared expert fused" if fuse else
+                 f", the shared expert ({_format([shared[k] for k in EXPERT_WEIGHTS])}) on XLA"
+                 + (": the MXFP4 kernels take no other format beside it" if both is None else ": another size"))
+    return MoePlan(fmt, cfgs, fuse, backend.Path(True, text))
 
 
 def _experts_pallas(x, tokens, row_w, p, group_sizes, limit, cfgs, fuse_shared=False, fp8_rows=False):
@@ -261,22 +310,15 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit, fp8_rows=False
 @jax.named_scope("mega_moe")  # prefixes its ops' names in HLO dumps and XProf
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
     t, d = x.shape
-    n_experts, inter = p["w1"].shape[:2]
+    n_experts = p["w1"].shape[0]
     shared = p.get("shared")
-    routed = [p[k] for k in EXPERT_WEIGHTS]
-    every = routed + ([shared[k] for k in EXPERT_WEIGHTS] if shared is not None else [])
-    both = _format(every)
-    fmt = _format(routed) if both is None else both   # None: MXFP4 beside another kind
     weights, ids = route(x, p, spec, image_mask)
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
     tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
-    if spec.fp8_activations:   # the W8A8 kernels take fp8 weights only, routed and shared
-        fmt = "w8a8" if all(isinstance(w, QuantizedWeight) for w in every) else None
-    cfgs = None if fmt is None else _kernel_configs(x, n, n_experts, d, inter, fmt)
-    fuse_shared = (cfgs is not None and shared is not None and both is not None
-                   and shared["w1"].shape == (inter, d) and shared["w2"].shape == (d, inter))
+    how = plan(x.dtype, p, spec, n)
+    cfgs, fuse_shared = how.cfgs, how.fuse_shared
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared,

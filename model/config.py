@@ -115,6 +115,8 @@ class ModelConfig:
             raise ConfigError("config must be a JSON object")
         if "text_config" in raw:  # composite DeepseekV41Config
             raw = raw["text_config"]
+        if "engram_pad_token_id" in raw and "engram_pad_id" not in raw:  # the name vLLM's loader reads
+            raw = {**raw, "engram_pad_id": raw["engram_pad_token_id"]}
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name in raw and raw[f.name] is not None:

@@ -55,6 +55,11 @@ def pow2_from_exponent(e: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
 
 
+def scale_values(s: jnp.ndarray) -> jnp.ndarray:
+    """float32 block scales from UE8M0 exponent bytes (uint8: ``2**(e - 127)``) or stored floats."""
+    return pow2_from_exponent(s) if s.dtype == jnp.uint8 else s.astype(jnp.float32)
+
+
 def pow2_ceil(t: jnp.ndarray) -> jnp.ndarray:
     """``2**ceil(log2 t)`` for positive float32 ``t`` (a UE8M0 scale)."""
     return pow2_from_exponent(pow2_ceil_exponent(t) + 127)
@@ -161,6 +166,16 @@ class Fp4Weight(NamedTuple):
         if codes.shape[-1] % BLOCK or exponents.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
             raise ValueError(f"MXFP4 scales {exponents.shape} do not match codes {codes.shape} (one per {BLOCK})")
         return cls.from_codes(codes, jnp.asarray(exponents, jnp.uint8))
+
+    def packed(self) -> tuple[jax.Array, jax.Array]:
+        """``from_packed``'s inputs back: packed codes ``[..., N, K / 2]`` uint8 and UE8M0 exponents
+        ``[..., N, K / 32]`` uint8 (a block that flushed to zero gets exponent 1, 2^-126)."""
+        codes = from_kernel_order(self.codes).astype(jnp.int32) & 15
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+        rel = jnp.swapaxes(self.scale, -1, -2).astype(jnp.float32)
+        top = pow2_ceil_exponent(self.top)[..., None, None] + 127
+        e = jnp.where(rel > 0, pow2_ceil_exponent(jnp.where(rel > 0, rel, 1.0)) - F16_SHIFT + top, 1)
+        return packed, jnp.clip(e, 1, 254).astype(jnp.uint8)
 
     def dequantized(self, dtype=jnp.float32):
         s = jnp.repeat(jnp.swapaxes(self.scale, -1, -2).astype(jnp.float32), BLOCK, axis=-1)

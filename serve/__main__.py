@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+from serve.cli_args import add_dtype
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                          "with one power-of-two scale per 32, 27%% of it; needs sizes divisible by 64. w8a8: fp8 "
                          "weights as fp8, and the rows into each expert GEMM in e4m3 with a power-of-two scale per "
                          "128 columns (SGLang's block-fp8 MoE): fp8 x fp8 tensor-core GEMMs")
+    add_dtype(ap)
     ap.add_argument("--max-queued-requests", type=int, default=256)
     ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     ap.add_argument("--max-compiled-programs", type=int,
@@ -57,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                               page_size=args.page_size, prefill_budget=args.chunked_prefill_size,
                               decoder_replay=args.decoder_replay, overlap=not args.disable_overlap_schedule,
                               prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization, max_programs=args.max_compiled_programs)
+                              quantization=args.quantization, max_programs=args.max_compiled_programs,
+                              dtype=args.dtype)
         if args.model:
-            engine = Engine.from_model_dir(args.model, config)
+            engine = Engine.from_model_dir(args.model, config, progress=True)
             name = args.served_model_name or Path(args.model).resolve().name
         else:
             from serve.default_model import NAME, default_config, default_params

@@ -30,12 +30,15 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.engram_hash import DEAD
 from model.forward import halo_rows
-from model.params import with_quantized_experts
+from model.kernel_paths import kernel_paths
+from model.params import cast_params, with_quantized_experts
 from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
 from serve.sampling import SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
+
+DTYPES = ("auto", "bfloat16", "float32")
 
 
 THINK_END_ID = 128822  # `</think>` in the DeepSeek-V4 tokenizer (MODEL_SPEC §10)
@@ -57,8 +60,11 @@ class EngineConfig:
     # and the rows into each expert GEMM in fp8 (SGLang's block-fp8 MoE)
     quantization: str = "none"
     max_programs: int | None = None  # compiled step programs held at once (None: as many as fit, serve/programs.py)
+    dtype: str = "auto"  # the model dtype: "bfloat16", "float32", or "auto" (bf16 on a GPU, fp32 elsewhere)
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
         if self.quantization not in ("none", "fp8", "mxfp4", "w8a8"):
@@ -81,6 +87,14 @@ class EngineConfig:
         from mega.backend import on_gpu
 
         return max(8192 if on_gpu() else 2048, 2 * self.max_running)
+
+    @property
+    def model_dtype(self):
+        """The dtype of the weights and activations (the kernels take bf16)."""
+        from mega.backend import on_gpu
+
+        name = ("bfloat16" if on_gpu() else "float32") if self.dtype == "auto" else self.dtype
+        return jnp.dtype(name)
 
     @property
     def pages(self) -> int:
@@ -116,8 +130,16 @@ class Engine:
         self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.step_tokens, keep)
+        params = cast_params(params, config.model_dtype)
         if config.quantization != "none":
             params = with_quantized_experts(params, "fp8" if config.quantization == "w8a8" else config.quantization)
+        b = self.buckets
+        self.kernel_paths = kernel_paths(params, cfg, b.decode + b.prefill + b.replay,
+                                         config.kv_cache_dtype == "fp8_e4m3")
+        log = logging.getLogger("megajax")
+        log.info("model dtype %s", config.model_dtype.name)
+        for op, path in self.kernel_paths.items():
+            log.info("%s: %s", op, path)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
                                   window_fp8=config.kv_cache_dtype == "fp8_e4m3")
@@ -127,7 +149,7 @@ class Engine:
         self.runner.step(self.runner.empty_input(self.buckets.decode[0]), None)
         budget = self.runner.programs.budget
         budget.check()
-        logging.getLogger("megajax").info(
+        log.info(
             "compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%d "
             "mappings a program measured, under %s)", budget.capacity(), len(self.buckets.programs()),
             budget.map_cost, budget.limits() or "no known limit")
@@ -144,11 +166,14 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig = EngineConfig(),
+                       progress: bool = False) -> "Engine":
+        """An engine on the checkpoint in ``model_dir``, loaded in ``config``'s model dtype
+        (``progress``: a loading bar on stderr)."""
         from checkpoints.hf import load_params
 
         cfg = ModelConfig.from_json(model_dir)
-        return cls(load_params(model_dir, cfg), cfg, config)
+        return cls(load_params(model_dir, cfg, config.model_dtype, progress), cfg, config)
 
     # ------------------------------------------------------------------ requests
     def prepare(self, prompt: list[int] | str, params: SamplingParams | dict | None = None

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from serve.cli_args import add_dtype
 from serve.jsonl import InputError, read_objects, write_jsonl
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
                     help="expert weights quantised at load: fp8 (e4m3, 128 x 128 block scales), mxfp4 (e2m1, "
                          "a power-of-two scale per 32) or w8a8 (fp8 weights and fp8 rows, a scale per 128)")
+    add_dtype(ap)
     ap.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
     args = ap.parse_args(argv)
 
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                               prefill_budget=args.prefill_budget, page_size=args.page_size,
                               decoder_replay=args.decoder_replay,
                               overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization, max_programs=args.max_compiled_programs)
-        engine = Engine.from_model_dir(args.model, config)
+                              quantization=args.quantization, max_programs=args.max_compiled_programs,
+                              dtype=args.dtype)
+        engine = Engine.from_model_dir(args.model, config, progress=True)
         for n, (prompt, params) in enumerate(requests, 1):
             try:
                 engine.prepare(prompt, params)

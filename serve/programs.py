@@ -58,27 +58,34 @@ def process_maps(pid: int | str = "self") -> int | None:
         return None
 
 
-class PeakMaps(threading.Thread):
-    """The most mappings a process had while watched (sampled every ``every`` s): for the
-    benchmarks and the test that hold the budget to its promise."""
+class Peak(threading.Thread):
+    """The largest value ``probe()`` gave while watched (sampled every ``every`` s; None ends
+    the watch): for the benchmarks and the test that hold the budget to its promise."""
 
-    def __init__(self, pid: int | str = "self", every: float = 0.1):
+    def __init__(self, probe, every: float = 0.1):
         super().__init__(daemon=True)
-        self.pid, self.every, self.peak, self._done = pid, every, 0, threading.Event()
+        self.probe, self.every, self.peak, self._done = probe, every, 0, threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self._done.is_set():
-            maps = process_maps(self.pid)
-            if maps is None:
+            value = self.probe()
+            if value is None:
                 return
-            self.peak = max(self.peak, maps)
+            self.peak = max(self.peak, value)
             self._done.wait(self.every)
 
     def stop(self) -> int:
         self._done.set()
         self.join()
         return self.peak
+
+
+class PeakMaps(Peak):
+    """The most mappings process ``pid`` had while watched."""
+
+    def __init__(self, pid: int | str = "self", every: float = 0.1):
+        super().__init__(lambda: process_maps(pid), every)
 
 
 def process_rss() -> int:

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from serve.cli_args import add_dtype
 from serve.jsonl import InputError, read_objects, write_jsonl
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, type=Path, help='JSONL, one {"token_logprobs": [...]} per line')
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=4096, help="the longest sequence (one forward, from an empty state)")
+    add_dtype(ap)
     args = ap.parse_args(argv)
     if args.batch_size <= 0 or args.max_len <= 0:
         ap.error("--batch-size and --max-len must be positive")
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
         # Scoring runs whole sequences from an empty state: the engine needs no KV pool for it.
-        engine = Engine.from_model_dir(args.model, EngineConfig(max_running=1, max_len=2, page_size=2))
+        config = EngineConfig(max_running=1, max_len=2, page_size=2, dtype=args.dtype)
+        engine = Engine.from_model_dir(args.model, config, progress=True)
     except (ConfigError, CheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -432,7 +432,9 @@ class Server:
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.engine.config
         return web.json_response({"model": self.model_name,
-                                  "engine_config": c.__dict__ | {"pages": c.pages, "step_tokens": c.step_tokens},
+                                  "engine_config": c.__dict__ | {"pages": c.pages, "step_tokens": c.step_tokens,
+                                                                 "model_dtype": c.model_dtype.name},
+                                  "kernel_paths": self.engine.kernel_paths,
                                   "buckets": self.engine.buckets.__dict__,
                                   "compiled_programs": self.engine.program_info(), "version": "0.1.0",
                                   "model_config": self.engine.cfg.to_dict()})

@@ -69,9 +69,15 @@ def test_checkpoint_errors_name_the_tensor(tmp_path, tensors, edit, message):
         load_params(_write(tmp_path, t))
 
 
-def test_ignored_release_tensors_are_skipped(tmp_path, tensors):
-    t = dict(tensors, **{"mtp.0.main_proj.weight": np.zeros((2, 2), np.float32)})
-    load_params(_write(tmp_path, t))
+def test_vision_tensors_are_skipped_and_a_partial_draft_is_an_error(tmp_path, tensors, caplog):
+    vision = {"vision.blocks.0.attn.wqkv.weight": np.zeros((6, 2), np.float32),
+              "image_newline": np.zeros(256, np.float32)}
+    with caplog.at_level("INFO", logger="megajax"):
+        params = load_params(_write(tmp_path, dict(tensors, **vision)))
+    assert "mtp" not in params and "skipped 2 vision tensors" in caplog.text
+    t = dict(tensors, **{"mtp.0.main_proj.weight": np.zeros((256, 768), np.float32)})
+    with pytest.raises(CheckpointError, match="missing tensors: mtp.0.attn_norm.weight"):
+        load_params(_write(tmp_path, t))
 
 
 def test_missing_shard_and_empty_dir(tmp_path, tensors):

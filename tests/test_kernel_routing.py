@@ -43,7 +43,8 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     seen = {"attention": [], "moe": 0, "expert_weights": set()}
 
     def attention_kernel(q, pools, sink, scale, interpret=None):
-        seen["attention"].append(([p[0].dtype for p in pools], mega.attention._kernel_fits(q, pools)))
+        dtypes = [p[0].dtype for p in pools]
+        seen["attention"].append((dtypes, mega.attention.kernel_path(q.dtype, q.shape[1], q.shape[2], dtypes).kernel))
         return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
 
     def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None,
@@ -67,7 +68,12 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
     monkeypatch.setattr(mega.moe, "grouped_matmul", matmul_kernel)
     engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
-                                              kv_cache_dtype=kv_cache_dtype, quantization=quantization))
+                                              kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                                              dtype="bfloat16"))
+    paths = engine.kernel_paths   # what the start-up log says is what runs
+    assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
+    assert ("fp8 window" in paths["mega.attention"]) == (kv_cache_dtype == "fp8_e4m3")
+    assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
                           {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": True},
                           decode_text=False)

@@ -1,0 +1,36 @@
+"""Which implementation each mega operator takes in a model's steps, in words, for the start-up log.
+
+The operators choose when they are traced (``mega.backend``); this asks the same functions
+they ask (``mega.attention.kernel_path``, ``mega.moe.plan``) with the model's own operands, so
+the report cannot differ from what runs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from mega import attention, moe
+from model.config import ModelConfig
+from model.forward import moe_spec
+from model.state import state_dtype
+
+
+def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], window_fp8: bool = False
+                 ) -> dict[str, str]:
+    """``{operator: path}`` for steps of each of ``step_tokens`` tokens (the engine's buckets)."""
+    dtype = state_dtype(params)
+    pools = [jnp.float8_e4m3fn if window_fp8 else dtype] + [dtype] * bool(cfg.kv_source_layer_ids)
+    out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
+    spec = moe_spec(cfg)
+    by_path: dict[str, list[int]] = {}
+    for t in sorted(step_tokens):
+        by_path.setdefault(moe.plan(dtype, params["layers"][0]["moe"], spec, t * spec.top_k).path.text, []).append(t)
+    out["mega.moe"] = (next(iter(by_path)) if len(by_path) == 1 else
+                       "; ".join(f"{path} at {ts[0]}-{ts[-1]} tokens" for path, ts in by_path.items()))
+    out["mega.mhc_step"] = "XLA (no Pallas kernel yet)"
+    if cfg.engram_layer_ids:
+        table = params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].dtype
+        out["mega.engram"] = f"XLA ({jnp.dtype(table).name} table)"
+    out["linears"] = f"XLA dots on {jnp.dtype(dtype).name} weights"
+    return out
