@@ -111,8 +111,8 @@ class Mxfp4:
         packed = (codes[..., 0::2] & 15) | ((codes[..., 1::2] & 15) << 4)
         return packed.astype(jnp.uint8), exponents.astype(jnp.uint8)
 
-    @staticmethod
-    def decode(packed: jnp.ndarray, exponents: jnp.ndarray) -> Fp4Weight:
+    @partial(jax.jit, static_argnums=0)   # one program per shape, not a dozen eager ops per expert
+    def decode(self, packed: jnp.ndarray, exponents: jnp.ndarray) -> Fp4Weight:
         return Fp4Weight.from_packed(packed, exponents)
 
 

@@ -149,10 +149,11 @@ class Engine:
         self.runner.step(self.runner.empty_input(self.buckets.decode[0]), None)
         budget = self.runner.programs.budget
         budget.check()
+        n_programs = len(self.buckets.programs())
         log.info(
             "compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%d "
-            "mappings a program measured, under %s)", budget.capacity(), len(self.buckets.programs()),
-            budget.map_cost, budget.limits() or "no known limit")
+            "mappings a program measured, under %s)", min(budget.capacity() or n_programs, n_programs),
+            n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
