@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +68,55 @@ def load_tensors(source, cfg: ModelConfig, fmt: CheckpointFormat, dtype: Any = j
     leaves = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {sum(len(t) for _, t in plan)} tensors",
               disable=not progress, leave=False) as bar:
-        for spec, tensors in plan:
-            parts = []
-            for name, kind in tensors:
-                w = jnp.asarray(source.read(name))
-                s = jnp.asarray(source.read(scale_name(name))) if kind in ("fp8", "mxfp4") else None
-                parts.append(fmt.decode(spec, kind, w, s, dtype))
-                bar.update(w.nbytes + (0 if s is None else s.nbytes))
-            leaves[spec.path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts) if spec.stacked else parts[0]
+        names = [m for _, tensors in plan for n, k in tensors
+                 for m in ((n, scale_name(n)) if k in ("fp8", "mxfp4") else (n,))]
+        arrays = _read_ahead(source, names)
+        try:
+            for spec, tensors in plan:
+                parts = []
+                for name, kind in tensors:
+                    w = jnp.asarray(next(arrays))
+                    s = jnp.asarray(next(arrays)) if kind in ("fp8", "mxfp4") else None
+                    parts.append(fmt.decode(spec, kind, w, s, dtype))
+                    bar.update(w.nbytes + (0 if s is None else s.nbytes))
+                leaves[spec.path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts) if spec.stacked else parts[0]
+        finally:
+            arrays.close()   # the reader stops before the caller closes the source
     return build_tree(cfg, leaves)
+
+
+def _read_ahead(source, names: list[str]):
+    """``source.read`` of each name in order, read by a thread one tensor ahead of the caller, so
+    that the disk works while the device converts (host memory: about two tensors)."""
+    ready: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def read_all():
+        try:
+            for name in names:
+                item = source.read(name)
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if stop.is_set():
+                    return
+        except BaseException as e:   # handed to the caller, raised there
+            ready.put(e)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    try:
+        for _ in names:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        reader.join()
 
 
 def _plan(cfg: ModelConfig, fmt: CheckpointFormat, available: dict, where: str
