@@ -210,29 +210,26 @@ class CheckpointFormat:
         CheckpointError saying why it cannot be read."""
         fmt, dt = self.of_role(spec.role), info.dtype
         want = spec.shape[1:] if spec.stacked else spec.shape
+        kind = None
         if dt in FLOAT_DTYPES and scale is None:
-            if info.shape != want:
-                raise CheckpointError(f"{name}: shape {list(info.shape)}, expected {list(want)}")
-            return "float"
-        if spec.role == "table_scale" and dt == "F8_E8M0":
-            if info.shape != want:
-                raise CheckpointError(f"{name}: shape {list(info.shape)}, expected {list(want)}")
-            return "ue8m0"
-        if spec.role == "table" and dt == "F8_E4M3" and isinstance(fmt, Fp8Rows):
-            if info.shape != want:
-                raise CheckpointError(f"{name}: shape {list(info.shape)}, expected {list(want)}")
-            return "e4m3"
-        if dt == "F8_E4M3" and isinstance(fmt, Fp8Blocks):
+            kind = "float"
+        elif spec.role == "table_scale" and dt == "F8_E8M0":
+            kind = "ue8m0"
+        elif spec.role == "table" and dt == "F8_E4M3" and isinstance(fmt, Fp8Rows):
+            kind = "e4m3"
+        elif dt == "F8_E4M3" and isinstance(fmt, Fp8Blocks):
             self._check_scale(name, scale, fmt.scale_shape(want), ("F8_E8M0",) if fmt.ue8m0 else ("F32",))
-            if info.shape != want:
-                raise CheckpointError(f"{name}: shape {list(info.shape)}, expected {list(want)}")
-            return "fp8"
-        if dt in ("I8", "U8") and isinstance(fmt, Mxfp4):
+            kind = "fp8"
+        elif dt in ("I8", "U8") and isinstance(fmt, Mxfp4):
             if want[-1] % 32 or info.shape != fmt.packed_shape(want):
                 raise CheckpointError(f"{name}: packed MXFP4 tensor of shape {list(info.shape)}; a {list(want)} "
                                       f"weight packs into {list(fmt.packed_shape(want))}")
             self._check_scale(name, scale, fmt.scale_shape(want), ("F8_E8M0",))
             return "mxfp4"
+        if kind is not None:
+            if info.shape != want:
+                raise CheckpointError(f"{name}: shape {list(info.shape)}, expected {list(want)}")
+            return kind
         declared = "no quantization_config" if self.linears is None else f"{self.of_role(spec.role) or 'floats'}"
         raise CheckpointError(f"{name}: dtype {dt}{' with a scale tensor' if scale is not None else ''} is not "
                               f"supported for this tensor (config.json declares {declared} for its role "
