@@ -5,42 +5,20 @@ import argparse
 import logging
 import sys
 
-from serve.cli_args import add_dtype
+from serve.cli_args import add_engine, add_model, engine_config
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
-    ap.add_argument("--model", help="directory with config.json and safetensors (default: embedded tiny model)")
-    ap.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--max-running-requests", type=int, default=8)
-    ap.add_argument("--context-length", type=int, default=4096)
-    ap.add_argument("--chunked-prefill-size", type=int,
-                    help="tokens per step, its decodes included (default: 8192 on a GPU, 2048 elsewhere)")
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
-    ap.add_argument("--disable-overlap-schedule", action="store_true")
-    ap.add_argument("--disable-radix-cache", action="store_true")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
-                    help="fp8_e4m3: keep the sliding-window KV as e4m3 values + UE8M0 scales (the model's own "
-                         "FP8 window format, so the same outputs; 528 bytes a row at head_dim 512); the compressed "
-                         "pools keep the model dtype")
-    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
-                    help="quantise the routed and shared expert weights at load (the MoE kernels convert them in "
-                         "registers). fp8: e4m3 with one power-of-two scale per 128 x 128 block, half the expert "
-                         "memory; needs hidden and expert sizes divisible by 128. mxfp4: V4.1's expert format, e2m1 "
-                         "with one power-of-two scale per 32, 27%% of it; needs sizes divisible by 64. w8a8: fp8 "
-                         "weights as fp8, and the rows into each expert GEMM in e4m3 with a power-of-two scale per "
-                         "128 columns (SGLang's block-fp8 MoE): fp8 x fp8 tensor-core GEMMs")
-    add_dtype(ap)
-    ap.add_argument("--max-queued-requests", type=int, default=256)
-    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
-    ap.add_argument("--max-compiled-programs", type=int,
-                    help="step programs held compiled at once; the rest compile on demand, least recently used "
-                         "evicted (default: as many as fit a quarter of vm.max_map_count and half the memory)")
-    ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_model(ap, required=False)
+    g = ap.add_argument_group("server")
+    g.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--max-queued-requests", type=int, default=256, help="beyond it: 429 with Retry-After")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("megajax")
@@ -52,16 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
-    from serve.engine import Engine, EngineConfig
+    from serve.engine import Engine
     from serve.server import Server
 
     try:
-        config = EngineConfig(max_running=args.max_running_requests, max_len=args.context_length,
-                              page_size=args.page_size, prefill_budget=args.chunked_prefill_size,
-                              decoder_replay=args.decoder_replay, overlap=not args.disable_overlap_schedule,
-                              prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization, max_programs=args.max_compiled_programs,
-                              dtype=args.dtype)
+        config = engine_config(args)
         if args.model:
             engine = Engine.from_model_dir(args.model, config, progress=True)
             name = args.served_model_name or Path(args.model).resolve().name

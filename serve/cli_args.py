@@ -1,10 +1,66 @@
-"""Command-line options the CLIs share, defined once."""
+"""The command-line options ``serve``, ``serve.generate`` and ``serve.score`` share, defined once.
+
+Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-path``,
+``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
+``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
+``--kv-cache-dtype``, ``--quantization``); the names megajax's CLIs had before stay as aliases.
+``engine_config(args)`` is the one place options become an ``EngineConfig``.
+"""
 from __future__ import annotations
 
 import argparse
 
 
-def add_dtype(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="the model dtype of weights and activations (auto: bfloat16 on a GPU, where the Pallas "
-                         "kernels take it, float32 elsewhere); a checkpoint's quantised experts stay quantised")
+def add_model(ap: argparse.ArgumentParser, required: bool) -> None:
+    g = ap.add_argument_group("model")
+    g.add_argument("--model-path", "--model", dest="model", required=required, metavar="DIR",
+                   help="directory with config.json and safetensors (the release's V4.1 format or plain floats)"
+                        + ("" if required else "; default: the embedded tiny model"))
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the model dtype of weights and activations (auto: bfloat16 on a GPU, where the Pallas "
+                        "kernels take it, float32 elsewhere); a checkpoint's quantised experts stay quantised")
+    g.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
+                   help="quantise float expert weights at load (the MoE kernels convert them in registers). fp8: "
+                        "e4m3 with one power-of-two scale per 128 x 128 block (sizes divisible by 128); mxfp4: "
+                        "V4.1's expert format, e2m1 with a power-of-two scale per 32 (sizes divisible by 64); "
+                        "w8a8: fp8 weights, and the rows into each expert GEMM in e4m3 with a scale per 128 "
+                        "columns (SGLang's block-fp8 MoE)")
+
+
+def add_engine(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("scheduling")
+    g.add_argument("--max-running-requests", "--max-running", dest="max_running", type=int, metavar="N", default=8,
+                   help="requests decoded together (the decode batch's rows)")
+    g.add_argument("--context-length", "--max-len", dest="context_length", type=int, metavar="N", default=4096,
+                   help="the longest prompt plus output")
+    g.add_argument("--chunked-prefill-size", "--prefill-budget", dest="chunked_prefill_size", type=int,
+                   help="tokens per step, its decodes included (default: 8192 on a GPU, 2048 elsewhere)")
+    g.add_argument("--disable-overlap-schedule", "--no-overlap", dest="disable_overlap", action="store_true",
+                   help="wait for each step before planning the next")
+    g.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx",
+                   help="prefix hits replay the sliding window's tokens (approx: the window, exact: the halo)")
+    m = ap.add_argument_group("memory")
+    m.add_argument("--page-size", type=int, metavar="N", default=64, help="tokens a KV page holds")
+    m.add_argument("--max-total-tokens", type=int,
+                   help="KV pool size in tokens (default: max-running-requests full-length requests)")
+    m.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                   help="fp8_e4m3: the sliding-window KV as e4m3 values + UE8M0 scales (the model's own FP8 "
+                        "window format, so the same outputs); the compressed pools keep the model dtype")
+    c = ap.add_argument_group("compilation")
+    c.add_argument("--max-compiled-programs", type=int,
+                   help="step programs held compiled at once; the rest compile on demand, least recently used "
+                        "evicted (default: as many as fit a quarter of vm.max_map_count and half the memory)")
+    c.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
+
+
+def engine_config(args: argparse.Namespace):
+    """The ``EngineConfig`` the options describe (ValueError naming a bad combination)."""
+    from serve.engine import EngineConfig   # (here: --help stays fast, without JAX)
+
+    pages = None if args.max_total_tokens is None else -(-args.max_total_tokens // args.page_size)
+    return EngineConfig(max_running=args.max_running, max_len=args.context_length, page_size=args.page_size,
+                        num_pages=pages, prefill_budget=args.chunked_prefill_size,
+                        decoder_replay=args.decoder_replay, overlap=not args.disable_overlap,
+                        prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
+                        quantization=args.quantization, max_programs=args.max_compiled_programs, dtype=args.dtype)

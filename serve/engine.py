@@ -32,6 +32,7 @@ from model.engram_hash import DEAD
 from model.forward import halo_rows
 from model.kernel_paths import kernel_paths
 from model.params import cast_params, with_quantized_experts
+from serve.detokenizer import Detokenizer
 from serve.grammar import Grammar, compile_grammar
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
@@ -208,10 +209,13 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         out = []
         with self._lock:
-            for i in range(params.n):
-                sub = rid if params.n == 1 else f"{rid}-{i}"
+            subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+            taken = [s for s in subs if s in self._requests or any(r.group == s for r in self._requests.values())]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in use")
+            for i, sub in enumerate(subs):
                 p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                req = Request(sub, ids, p, next(self._ids))
+                req = Request(sub, ids, p, next(self._ids), group=rid)
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 self.scheduler.submit(req)
                 self._requests[sub] = req
@@ -219,12 +223,48 @@ class Engine:
         return out
 
     def abort(self, rid: str) -> None:
-        """Finish a request (and its ``n`` samples) now; its stream, if any, ends with ``abort``."""
+        """Finish request ``rid`` (exactly that id, or the ``n`` samples it fanned out to) now; its
+        stream, if any, ends with ``abort``."""
         with self._lock:
             for key, req in self._requests.items():
-                if (key == rid or key.startswith(rid + "-")) and not req.finished:
+                if (key == rid or req.group == rid) and not req.finished:
                     req.finish_reason = "abort"
                     self._notify(req)
+
+    def abort_all(self) -> int:
+        """Abort every request that has a stream (shutdown); how many streams are still open."""
+        with self._lock:
+            for rid in list(self._listeners):
+                self.abort(rid)
+            return len(self._listeners)
+
+    def open_streams(self) -> int:
+        return len(self._listeners)
+
+    def load(self) -> dict:
+        """The scheduler's state now, for ``/metrics``, ``/get_load`` and admission control."""
+        with self._lock:
+            s = self.scheduler
+            radix = s.radix
+            return {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
+                    "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
+                    "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
+
+    def flush_cache(self) -> str | None:
+        """Drop the prefix cache; why it cannot be dropped now (requests in flight), or None."""
+        with self._lock:
+            radix = self.scheduler.radix
+            if radix is None:
+                return None
+            if self.scheduler.running or self.scheduler.waiting:
+                return "cannot flush the cache while requests are running"
+            self.scheduler.pool.give(radix.reset())
+            return None
+
+    def control_tokens(self) -> list[str]:
+        """V4's role and task tokens (``<｜User｜>``, ...): added tokens not flagged special."""
+        return [t.content for t in self._tok().get_added_tokens_decoder().values()
+                if t.content.startswith("<｜") and t.content.endswith("｜>")]
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
@@ -368,8 +408,11 @@ class Engine:
                 req.token_logprobs.append(float(logprobs[i]))
                 n = req.params.top_logprobs
                 req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
-            decode = self.decode if (req.params.stop or req.rid in self._listeners) else None
-            req.check_stop(tok, self.eos_ids, decode)
+            if req.detok is None and (req.params.stop or req.rid in self._listeners):
+                req.detok = Detokenizer(self.decode)
+                for t in req.output[:-1]:   # a listener that came late: catch up once
+                    req.text += req.detok.push(t)
+            req.check_stop(tok, self.eos_ids, req.detok)
             self._notify(req)
 
     # ------------------------------------------------------------------ public APIs
@@ -425,21 +468,15 @@ class Engine:
         self._listeners[rid] = (loop, queue)
         try:
             self.add_request(ids, params, rid, grammar)
-            sent_text, sent_ids = "", 0
             while True:
-                snap = await queue.get()  # a consistent copy taken on the engine thread
-                finished = snap["finish_reason"] is not None
-                text = snap["text"]
-                delta = {"text": text[len(sent_text):], "output_ids": snap["output"][sent_ids:],
-                         "finish_reason": snap["finish_reason"], "matched_stop": snap["matched_stop"]}
-                if params.logprobs:
-                    delta["token_logprobs"] = snap["token_logprobs"][sent_ids:]
-                    delta["top_logprobs"] = snap["top_logprobs"][sent_ids:]
+                delta = await queue.get()  # what is new since the last one, taken on the engine thread
+                finished = delta["finish_reason"] is not None
+                if not params.logprobs:
+                    del delta["token_logprobs"], delta["top_logprobs"]
                 if not finished and not delta["output_ids"] and not delta["text"]:
                     continue  # nothing new
-                sent_text, sent_ids = text, len(snap["output"])
-                if finished:
-                    delta["usage"] = snap["usage"]
+                if not finished:
+                    del delta["usage"]
                 yield delta
                 if finished:
                     return
@@ -450,14 +487,17 @@ class Engine:
                 self._requests.pop(rid, None)
 
     def _notify(self, req: Request) -> None:
-        """Hand a stream a snapshot of its request (called with the lock held)."""
+        """Hand a stream what its request gained since the last call (called with the lock held):
+        constant work a token, not a copy of the whole output."""
         listener = self._listeners.get(req.rid)
         if listener is not None:
             loop, queue = listener
-            snap = {"text": req.text if req.finished else req.stable_text, "output": list(req.output),
-                    "token_logprobs": list(req.token_logprobs), "top_logprobs": list(req.top_logprobs),
-                    "finish_reason": req.finish_reason, "matched_stop": req.matched_stop, "usage": req.usage()}
-            loop.call_soon_threadsafe(queue.put_nowait, snap)
+            n, stable = len(req.output), req.stable_len()
+            delta = {"text": req.text[req.notified_text:stable], "output_ids": req.output[req.notified:],
+                     "token_logprobs": req.token_logprobs[req.notified:], "top_logprobs": req.top_logprobs[req.notified:],
+                     "finish_reason": req.finish_reason, "matched_stop": req.matched_stop, "usage": req.usage()}
+            req.notified, req.notified_text = n, max(req.notified_text, stable)
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
 
     def start(self) -> threading.Thread:
         """Run the engine loop in a daemon thread (for ``stream``); a no-op while one runs."""

