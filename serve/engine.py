@@ -164,6 +164,7 @@ class Engine:
         self._pending: list[tuple[list[Chunk], Any]] = []  # dispatched steps not yet processed
         self._lock = threading.RLock()  # step() lands in-flight work while holding it
         self.error: str | None = None  # set when the loop died; the server reports unhealthy
+        self._max_token_chars: int | None = None
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
 
@@ -198,10 +199,12 @@ class Engine:
         return compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams | dict | None = None,
-                    rid: str | None = None, grammar: Grammar | None = None) -> list[str]:
+                    rid: str | None = None, grammar: Grammar | None = None, group: str | None = None) -> list[str]:
         """Queue a request (``n`` > 1 queues one per sample); returns the request ids.
 
-        ``grammar`` is a precompiled constraint; without one, ``params``' json_schema/regex/ebnf is compiled here.
+        ``grammar`` is a precompiled constraint; without one, ``params``' json_schema/regex/ebnf is
+        compiled here. ``group``: the client request it belongs to (default ``rid``), whose samples
+        share one turn in the scheduler's fair share and abort together.
         """
         ids, params = self.prepare(prompt, params)
         if grammar is None:
@@ -215,7 +218,7 @@ class Engine:
                 raise ValueError(f"request id {taken[0]!r} is already in use")
             for i, sub in enumerate(subs):
                 p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                req = Request(sub, ids, p, next(self._ids), group=rid)
+                req = Request(sub, ids, p, next(self._ids), group=group or rid)
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 self.scheduler.submit(req)
                 self._requests[sub] = req
@@ -265,6 +268,12 @@ class Engine:
         """V4's role and task tokens (``<｜User｜>``, ...): added tokens not flagged special."""
         return [t.content for t in self._tok().get_added_tokens_decoder().values()
                 if t.content.startswith("<｜") and t.content.endswith("｜>")]
+
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to (a bound on a text's length per token)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tok().get_vocab(with_added_tokens=True)))
+        return self._max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
@@ -455,10 +464,11 @@ class Engine:
         return out
 
     async def stream(self, prompt: list[int] | str, sampling_params: SamplingParams | dict | None = None,
-                     grammar: Grammar | None = None):
+                     grammar: Grammar | None = None, group: str | None = None):
         """Yield ``{"text", "output_ids", "finish_reason", ...}`` deltas as tokens arrive.
 
-        Needs an engine loop running in a thread (``start``); cancelling the generator aborts the request.
+        Needs an engine loop running in a thread (``start``); cancelling the generator aborts the
+        request. ``group``: as for ``add_request`` (the server's ``n`` streams of one call share one).
         """
         ids, params = self.prepare(prompt, sampling_params)
         if params.n != 1:
@@ -467,7 +477,7 @@ class Engine:
         rid = f"req-{next(self._ids)}"
         self._listeners[rid] = (loop, queue)
         try:
-            self.add_request(ids, params, rid, grammar)
+            self.add_request(ids, params, rid, grammar, group)
             while True:
                 delta = await queue.get()  # what is new since the last one, taken on the engine thread
                 finished = delta["finish_reason"] is not None

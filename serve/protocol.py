@@ -10,7 +10,8 @@ from typing import Any
 
 from serve.sampling import InvalidSamplingParam, SamplingParams
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "BadRequestError",
+          413: "BadRequestError",
           429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -57,6 +58,8 @@ def openai_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
             raise ApiError(400, "max_tokens must be a positive integer", "max_tokens")
     params["max_new_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     logprobs = body.get("logprobs")
+    if body.get("top_logprobs") is not None and logprobs is not True:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if isinstance(logprobs, bool):
         params["logprobs"] = logprobs
         params["top_logprobs"] = typed(body, "top_logprobs", int, 0)

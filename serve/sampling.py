@@ -36,6 +36,8 @@ from mega.topk import largest_threshold, ordered_key, top_k
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_TOP_LOGPROBS = 20
+# bounds on one request's fan-out and stop lists, so that no request can cost the others without limit
+MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_IDS = 64, 16, 256, 256
 
 
 class InvalidSamplingParam(ValueError):
@@ -124,7 +126,10 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        _check(self.n >= 1, "n", "must be >= 1")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        _check(len(self.stop) <= MAX_STOP and all(len(s) <= MAX_STOP_LEN for s in self.stop), "stop",
+               f"at most {MAX_STOP} stop strings of at most {MAX_STOP_LEN} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_IDS, "stop_token_ids", f"at most {MAX_STOP_IDS} ids")
         grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
         _check(len(grammars) <= 1, grammars[-1] if grammars else "", "give at most one of json_schema, regex, ebnf")
         for k in ("regex", "ebnf"):

@@ -3,8 +3,15 @@
 Each step the scheduler plans a ragged batch:
 
 1. every running request past its prefill decodes one token;
-2. requests in the middle of a prefill continue, then waiting requests are admitted FIFO
-   while slots, the per-step token budget (decodes included) and pages allow (chunked prefill);
+2. requests in the middle of a prefill continue, then waiting requests are admitted while
+   slots, the per-step token budget (decodes included) and pages allow (chunked prefill), in a
+   fair share between client requests: the next is the waiting one whose client request (its
+   ``group``: the ``n`` samples of one call) has the fewest samples running, first come first
+   among equals; and no client request holds more than ``max_running - 1`` slots, so one is
+   always free for the next caller. SGLang and vLLM admit first come, first served, where one
+   request with a large ``n`` holds every slot until it is done (a newcomer waits for a whole
+   sample); here it takes turns with the requests behind it, at the cost of one batch row while
+   it runs alone;
 3. pages are taken from the free list, then from the radix cache's unlocked leaves (LRU);
    if a decode still cannot get a page, the most recently admitted request is retracted
    (its pages freed, requeued at the front; its generated tokens are recomputed, and its
@@ -54,7 +61,7 @@ class Scheduler:
     def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,
                  max_len: int, prefix_cache: bool):
         self.page_size, self.window, self.max_len = page_size, window, max_len
-        self.prefill_budget = prefill_budget
+        self.prefill_budget, self.max_running = prefill_budget, max_running
         self.pool = PagePool(num_pages)
         self.radix = RadixCache(page_size) if prefix_cache else None
         self.free_slots = list(range(max_running - 1, -1, -1))
@@ -169,13 +176,15 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.n
         while budget > 0 and self.waiting and self.free_slots:
-            req = self.waiting[0]
+            req = self._next_waiting()
+            if req is None:
+                break
             if req.finished:
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 continue
             if -(-min(len(req.ids), budget) // self.page_size) > len(self.pool.free) + self._evictable():
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self._admit(req)
             chunk = self._prefill_chunk(req, budget, fresh=True)
             if chunk is None:  # could not get pages after all: back to the queue
@@ -184,6 +193,16 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.n
         return chunks
+
+    def _next_waiting(self) -> Request | None:
+        """The fair share's next admission (module docstring, step 2), or None."""
+        running: dict[str, int] = {}
+        for r in self.running:
+            if not r.finished:
+                running[r.group or r.rid] = running.get(r.group or r.rid, 0) + 1
+        cap = max(self.max_running - 1, 1)
+        held = [(running.get(r.group or r.rid, 0), i, r) for i, r in enumerate(self.waiting)]
+        return min(((n, i, r) for n, i, r in held if n < cap or r.finished), default=(0, 0, None))[2]
 
     def _evictable(self) -> int:
         return self.radix.evictable_pages if self.radix is not None else 0

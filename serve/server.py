@@ -8,6 +8,7 @@ OpenAI envelope with the right status (serve/protocol.py); the server keeps serv
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import re
@@ -18,6 +19,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 from aiohttp import web
 
+from model.engram_vocab import tokenizer_path
 from serve.chat_template import ChatTemplateError, render_chat
 from serve.engine import Engine
 from serve.grammar import Grammar, GrammarError, has_grammar
@@ -25,16 +27,22 @@ from serve.metrics import Metrics
 from serve.parsers import OutputDelta, OutputParser
 from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params, typed
 from serve.sampling import SamplingParams
+from serve.tokenize_worker import TokenizerProcess
 
 HEALTH_TIMEOUT_S = 20.0
 GRAMMAR_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 10.0  # a body that has not fully arrived by then (short of its Content-Length): 408
+MAX_NESTING = 64  # JSON nesting deeper than this: 400
+MAX_SCORE_ITEMS = 256
 
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-                 default_max_tokens: int = 128):
+                 default_max_tokens: int = 128, max_request_bytes: int = 16 << 20):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
+        self.max_request_bytes = max_request_bytes
+        self.tokenizer = TokenizerProcess(str(tokenizer_path()))
         self.metrics = Metrics(model_name)
         self._control: re.Pattern | None = None
         self.created = int(time.time())
@@ -42,7 +50,7 @@ class Server:
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors], client_max_size=max(self.max_request_bytes, 1))
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
@@ -61,6 +69,7 @@ class Server:
         return app
 
     async def _start(self, app) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.start)
         self.engine.start()
         self.ready = True
 
@@ -73,6 +82,7 @@ class Server:
                 break
             await asyncio.sleep(0.02)
         self.engine.stop()
+        self.tokenizer.close()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -97,12 +107,23 @@ class Server:
 
     # ------------------------------------------------------------------ helpers
     async def _body(self, request: web.Request) -> dict:
+        """The JSON object of the body: its size checked before it is read, read within a time
+        limit, decoded and parsed off the event loop."""
         if request.content_type != "application/json":
             raise ApiError(400, "the request body must be application/json")
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            raise ApiError(413, f"the request body ({request.content_length} bytes) exceeds "
+                                f"--max-request-bytes ({self.max_request_bytes})")
+        charset = request.charset or "utf-8"
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
+            codecs.lookup(charset)
+        except LookupError:
+            raise ApiError(400, f"unknown charset {charset!r} in Content-Type") from None
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
+        body = await asyncio.get_running_loop().run_in_executor(None, _parse_json, raw, charset)
         require(isinstance(body, dict), "the request body must be a JSON object")
         return body
 
@@ -111,10 +132,23 @@ class Server:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model '{model}' does not exist", "model")
 
-    def _tokens(self, prompt: Any, param: str) -> list[int]:
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """Tokenise in the worker process (serve/tokenize_worker.py: a long prompt must not stall
+        the other clients); a text that cannot fit the context is refused without tokenising."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"'{param}' is not valid Unicode (a lone surrogate escape)", param) from None
+        limit = self.engine.config.max_len
+        if len(text) > limit * self.engine.max_token_chars():
+            raise ApiError(400, f"'{param}' ({len(text)} characters) cannot fit the model's context length "
+                                f"({limit} tokens)", param)
+        return await self.tokenizer.encode(text)
+
+    async def _tokens(self, prompt: Any, param: str) -> list[int]:
         if isinstance(prompt, str):
             require(prompt != "", f"'{param}' must not be empty", param)
-            return self.engine.encode(prompt)
+            return await self._encode(prompt, param)
         vocab = self.engine.cfg.vocab_size
         require(isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt),
@@ -133,7 +167,7 @@ class Server:
                                 f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
                                 f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
                                 f"for the completion.", "max_tokens")
-        if self.engine.load()["num_queue_reqs"] >= self.max_queue:
+        if self.engine.load()["num_queue_reqs"] + params.n > self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
 
     async def _grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
@@ -154,6 +188,10 @@ class Server:
     async def _prepare(self, ids: list[int], params: SamplingParams, thinking: bool = False) -> list:
         """Everything that can reject a request, before any response bytes go out: one grammar per choice."""
         self._admit(ids, params)
+        try:
+            self.engine.prepare(ids, dataclasses.replace(params, n=1))   # the engine's own checks, as a 400
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         grammar = await self._grammar(params, thinking)
         return [None if grammar is None else (grammar if i == 0 else grammar.copy()) for i in range(params.n)]
 
@@ -162,11 +200,12 @@ class Server:
         """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
         queue: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
+        group = uuid.uuid4().hex   # the call's n streams take one turn in the scheduler's fair share
 
         async def pump(i: int, p: SamplingParams):
             last = None
             try:
-                async for delta in self.engine.stream(ids, p, grammars[i]):
+                async for delta in self.engine.stream(ids, p, grammars[i], group):
                     now = time.perf_counter()
                     if delta["output_ids"]:
                         (self.metrics.ttft.observe(now - start) if last is None
@@ -231,10 +270,10 @@ class Server:
         prompt = body["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        ids = self._tokens(prompt, "prompt")
+        ids = await self._tokens(prompt, "prompt")
         params = openai_sampling(body, self.default_max_tokens)
         stream = typed(body, "stream", bool, False)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = typed(typed(body, "stream_options", dict, {}), "include_usage", bool, False)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         choices = self._choices(ids, params, await self._prepare(ids, params))
@@ -281,10 +320,10 @@ class Server:
             text = render_chat(messages, tools=tools, thinking=thinking, reasoning_effort=body.get("reasoning_effort"))
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
-        ids = self.engine.encode(text)
+        ids = await self._encode(text, "messages")
         params = openai_sampling(body, self.default_max_tokens)
         stream = typed(body, "stream", bool, False)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = typed(typed(body, "stream_options", dict, {}), "include_usage", bool, False)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if stream else
                 "chat.completion", "created": int(time.time()), "model": self.model_name}
         parsers = [OutputParser(thinking, tools_enabled=bool(tools) and tool_choice != "none")
@@ -362,7 +401,7 @@ class Server:
         """SGLang's native endpoint: cumulative text when streaming, ``meta_info`` per response."""
         body = await self._body(request)
         require(("text" in body) != ("input_ids" in body), "give exactly one of 'text' or 'input_ids'")
-        ids = self._tokens(body.get("text", body.get("input_ids")), "text" if "text" in body else "input_ids")
+        ids = await self._tokens(body.get("text", body.get("input_ids")), "text" if "text" in body else "input_ids")
         raw = body.get("sampling_params") or {}
         if isinstance(raw, dict) and body.get("return_logprob"):
             raw = {**raw, "logprobs": True, "top_logprobs": body.get("top_logprobs_num", 0)}
@@ -409,15 +448,16 @@ class Server:
         vocab = self.engine.cfg.vocab_size
         require(isinstance(labels, list) and labels and all(isinstance(t, int) and 0 <= t < vocab for t in labels),
                 "'label_token_ids' must be a non-empty list of token ids", "label_token_ids")
-        query = self._tokens(body["query"], "query")
+        query = await self._tokens(body["query"], "query")
         items = body["items"] if isinstance(body["items"], list) and body["items"] and not isinstance(
             body["items"][0], int) else [body["items"]]
-        seqs = [(self._tokens(it, "items") + query) if body.get("item_first") else (query + self._tokens(it, "items"))
-                for it in items]
+        require(len(items) <= MAX_SCORE_ITEMS, f"at most {MAX_SCORE_ITEMS} items a request", "items")
+        item_first = typed(body, "item_first", bool, False)
+        seqs = [(t + query) if item_first else (query + t) for t in [await self._tokens(it, "items") for it in items]]
         require(all(len(s) < self.engine.config.max_len for s in seqs), "an item is longer than the context", "items")
         logits = await asyncio.get_running_loop().run_in_executor(None, self.engine.last_logits, seqs)
         picked = logits[:, labels]
-        if body.get("apply_softmax"):  # normalise over the labels only
+        if typed(body, "apply_softmax", bool, False):  # normalise over the labels only
             picked = np.exp(picked - picked.max(-1, keepdims=True))
             picked /= picked.sum(-1, keepdims=True)
         else:  # each label's probability under the full next-token distribution
@@ -525,3 +565,21 @@ def _merge_legacy(a: dict | None, b: dict | None) -> dict | None:
     if a is None or b is None:
         return b if a is None else a
     return {k: a[k] + b[k] for k in a}
+
+
+def _parse_json(raw: bytes, charset: str) -> Any:
+    """The JSON value of a body (400 for bad bytes, bad JSON, or nesting deeper than MAX_NESTING)."""
+    try:
+        value = json.loads(raw.decode(charset))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the JSON body nests deeper than {MAX_NESTING} levels") from None
+    stack = [(value, 1)]
+    while stack:   # iterative: a deep body must not exhaust the interpreter's stack here either
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ApiError(400, f"the JSON body nests deeper than {MAX_NESTING} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value

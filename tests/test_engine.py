@@ -180,6 +180,22 @@ def test_abort_frees_everything(tiny, prompts):
     assert not s.running and not s.waiting and len(s.pool.free) == s.pool.num_pages and len(s.free_slots) == 4
 
 
+def test_abort_takes_the_exact_id_or_its_samples(tiny, prompts):
+    engine = _engine(tiny)
+    params = {"max_new_tokens": 50, "ignore_eos": True}
+    engine.add_request(prompts[0], params, rid="a")
+    engine.add_request(prompts[1], params, rid="a-1")   # not a sample of "a"
+    fan = engine.add_request(prompts[2], {**params, "n": 2, "temperature": 1.0, "seed": 3}, rid="b")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(prompts[0], params, rid="a")
+    engine.abort("a")
+    engine.abort("b")
+    assert engine._requests["a"].finish_reason == "abort" and engine._requests["a-1"].finish_reason is None
+    assert fan == ["b-0", "b-1"] and all(engine._requests[r].finish_reason == "abort" for r in fan)
+    engine.abort("a-1")
+    engine.run_until_idle()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_page_exhaustion_queues_and_retracts(tiny, prompts, overlap):
     # 5 pages of 16 tokens cannot hold the batch at once: requests wait, or are retracted and recomputed.

@@ -75,8 +75,8 @@ def client(live):
 def _idle(engine, timeout=30.0):
     end = time.time() + timeout
     while time.time() < end:
-        s = engine.scheduler
-        if not s.running and not s.waiting and not engine._listeners:
+        load = engine.load()
+        if not load["num_running_reqs"] and not load["num_queue_reqs"] and not engine.open_streams():
             return True
         time.sleep(0.05)
     return False
