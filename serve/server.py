@@ -1,9 +1,19 @@
 """The aiohttp server: OpenAI-compatible and SGLang-native endpoints over one ``Engine``.
 
-The engine loop runs in its own thread; each HTTP request consumes ``Engine.stream``
-(one stream per choice when ``n`` > 1, seeds ``seed + i``). A client that disconnects
-closes its stream, which aborts the request and frees its memory. Every error is an
-OpenAI envelope with the right status (serve/protocol.py); the server keeps serving.
+Where each responsibility lives:
+
+* this module: protocols only. It reads bodies (size, time and nesting limits), validates the
+  fields of each API into ``SamplingParams`` (serve/protocol.py), renders chat prompts, and
+  turns engine deltas into OpenAI or SGLang responses; every error an OpenAI envelope;
+* ``serve.tokenize_worker.TokenizerProcess``: prompts tokenised in a worker process;
+* ``Engine`` (its public methods only): ``prepare`` (the engine's own checks, as 400s),
+  ``stream`` (one sample; a call's ``n`` streams share one ``group``), ``abort``, ``load``,
+  ``flush_cache``, ``abort_all`` / ``open_streams`` at shutdown, ``control_tokens``;
+* ``serve.scheduler``: admission (the fair share between client requests), pages, retraction;
+* ``serve.detokenizer``: the text of each stream, a piece a token.
+
+The engine loop runs in its own thread. A client that disconnects closes its stream, which
+aborts the request and frees its memory; the server keeps serving.
 """
 from __future__ import annotations
 
