@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import urllib.request
 from pathlib import Path
 
@@ -150,8 +149,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    main()   # (an exception exits non-zero with its traceback)
