@@ -145,7 +145,8 @@ def step_load(smoke: bool) -> dict:
         out[f"megajax_{run}"] = {"s": s, "GBps": total / s / 1e9, "rss_before_GB": base / 1e9,
                                  "peak_rss_above_GB": (top - base) / 1e9}
         del params
-    out["largest_tensor_GB"] = max(i.nbytes for i in Shards(CHECKPOINT).tensors.values()) / 1e9
+    with Shards(CHECKPOINT) as checkpoint:
+        out["largest_tensor_GB"] = max(i.nbytes for i in checkpoint.tensors.values()) / 1e9
     out["peer_safetensors_torch"] = peer_torch(files, total)
     return out
 

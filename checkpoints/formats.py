@@ -172,10 +172,10 @@ class CheckpointFormat:
         if q.get("scale_fmt", "ue8m0") not in ("ue8m0", None):
             bad("scale_fmt", f"{q['scale_fmt']!r} is not supported (expected 'ue8m0')")
         linears = Fp8Blocks(tuple(block), ue8m0=q.get("scale_fmt", "ue8m0") == "ue8m0")
-        experts = {"fp4": Mxfp4(), "fp8": linears, None: linears}.get(q.get("expert_dtype"), "bad")
-        if experts == "bad":
-            bad("expert_dtype", f"{q['expert_dtype']!r} is not supported (expected 'fp4' or 'fp8')")
-        return cls(linears, experts, Fp8Rows(), "bfloat16")
+        expert_dtype = q.get("expert_dtype")
+        if expert_dtype not in ("fp4", "fp8", None):
+            bad("expert_dtype", f"{expert_dtype!r} is not supported (expected 'fp4' or 'fp8')")
+        return cls(linears, Mxfp4() if expert_dtype == "fp4" else linears, Fp8Rows(), "bfloat16")
 
     def quantization_config(self) -> dict | None:
         if self.linears is None and self.experts is None:
