@@ -1,5 +1,7 @@
 """A corpus of hostile requests against the live server: every one a 4xx in OpenAI's envelope,
-and neither ``/health`` nor a normal request slowed past 1 s, during or after.
+and neither ``/health`` nor a normal request held up, during or after: normal requests keep
+completing while a request at the fan-out limit is in flight, each in a small part of its time
+(relative, so a loaded CI machine slows both sides alike).
 
 The corpus: each endpoint's fields with wrong types and extreme values, bodies that are not JSON,
 not objects, not UTF-8, of an unknown charset, nested 10,000 deep, over the size limit, shorter
@@ -138,11 +140,13 @@ def _raw_http(live, head: bytes, body: bytes, timeout=30) -> int:
 
 
 class Watch(threading.Thread):
-    """Polls /health and sends a normal request in turn; the worst latency of each."""
+    """Polls /health and sends a normal request in turn; the worst latency of each, and when each
+    normal request finished."""
 
     def __init__(self, live):
         super().__init__(daemon=True)
         self.live, self.done, self.health, self.normal, self.failures = live, threading.Event(), 0.0, 0.0, []
+        self.finished: list[float] = []
         self.start()
 
     def run(self):
@@ -154,6 +158,7 @@ class Watch(threading.Thread):
             code, body = _send(self.live, "/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode(),
                                "application/json")
             self.normal = max(self.normal, time.perf_counter() - t0)
+            self.finished.append(time.perf_counter())
             if status != 200 or code != 200:
                 self.failures.append((status, code, body[:200]))
             time.sleep(0.05)
@@ -167,11 +172,16 @@ def test_every_hostile_request_is_a_4xx_envelope_and_nobody_waits(live, monkeypa
     monkeypatch.setattr(serve.server, "BODY_TIMEOUT_S", 1.0)
     assert len(CORPUS) >= 100
     watch = Watch(live)
+    fan_body_in = json.dumps({"prompt": [5, 6, 7], "max_tokens": 8, "n": MAX_N, "temperature": 1.0,
+                              "seed": 1}).encode()
+
+    def timed_fan():
+        t0 = time.perf_counter()
+        return t0, _send(live, "/v1/completions", fan_body_in, "application/json", 300), time.perf_counter()
+
     with ThreadPoolExecutor(5) as pool:
         # a legitimate request at the fan-out limit, in flight throughout: it must not starve the others
-        fan = pool.submit(_send, live, "/v1/completions", json.dumps(
-            {"prompt": [5, 6, 7], "max_tokens": 8, "n": MAX_N, "temperature": 1.0, "seed": 1}).encode(),
-            "application/json", 300)
+        fan = pool.submit(timed_fan)
         results = list(pool.map(lambda c: (c, _send(live, *c)), CORPUS))
         # framing: a body over the limit is refused before it is read, a short body times out
         over = pool.submit(_raw_http, live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -179,7 +189,7 @@ def test_every_hostile_request_is_a_4xx_envelope_and_nobody_waits(live, monkeypa
         short = pool.submit(_raw_http, live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                             b"application/json\r\nContent-Length: 1000\r\n\r\n", b'{"prompt": "hi"')
         framing = [over.result(), short.result()]
-        fan_status, fan_body = fan.result()
+        fan_start, (fan_status, fan_body), fan_end = fan.result()
     time.sleep(1.0)   # and after
     watch.stop()
     bad = []
@@ -192,11 +202,14 @@ def test_every_hostile_request_is_a_4xx_envelope_and_nobody_waits(live, monkeypa
         if not ok:
             bad.append((path, data[:120], ctype, status, body[:200]))
     statuses = [status for _, (status, _) in results] + framing
+    during = sum(fan_start < t < fan_end for t in watch.finished)
+    fan_s = fan_end - fan_start
     print(f"\nhostile corpus: {len(statuses)} requests, {sum(400 <= c < 500 for c in statuses)} 4xx, "
           f"{sum(c >= 500 for c in statuses)} 5xx; worst /health {watch.health * 1e3:.0f} ms, "
-          f"worst normal request {watch.normal * 1e3:.0f} ms")
+          f"worst normal request {watch.normal * 1e3:.0f} ms; {during} normal requests served during "
+          f"the n={MAX_N} request's {fan_s:.1f} s")
     assert not bad, bad
     assert framing == [413, 408]
     assert fan_status == 200 and len(json.loads(fan_body)["choices"]) == MAX_N
     assert not watch.failures, watch.failures
-    assert watch.health < 1.0 and watch.normal < 1.0, (watch.health, watch.normal)
+    assert during >= 3 and max(watch.health, watch.normal) < fan_s / 3, (during, watch.health, watch.normal, fan_s)
