@@ -212,4 +212,5 @@ def test_every_hostile_request_is_a_4xx_envelope_and_nobody_waits(live, monkeypa
     assert framing == [413, 408]
     assert fan_status == 200 and len(json.loads(fan_body)["choices"]) == MAX_N
     assert not watch.failures, watch.failures
-    assert during >= 3 and max(watch.health, watch.normal) < fan_s / 3, (during, watch.health, watch.normal, fan_s)
+    assert watch.health < 1.0, watch.health   # the event loop itself: never blocked
+    assert during >= 3 and watch.normal < fan_s / 3, (during, watch.normal, fan_s)
