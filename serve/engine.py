@@ -8,12 +8,13 @@ the device is fed a placeholder the step resolves itself, and a request that fin
 step N releases its slot only after the steps in flight for it have landed. Outputs are
 identical with overlap on and off (seeds are keyed by position).
 
-APIs: ``generate`` (batch), ``stream`` (async generator of deltas), ``score`` (per-token
-log-probs, the scoring CLI's path), ``abort``.
+The door: ``submit`` validates a request once and returns a ``Handle`` (serve/handle.py) whose
+``deltas`` stream it; ``generate`` / ``collect`` run a batch to completion; ``abort`` by exact
+id; ``load``, ``flush_cache`` and ``open_streams`` for the server; ``score`` for per-token
+log-probs (the scoring CLI's path).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -33,10 +34,11 @@ from model.forward import halo_rows
 from model.kernel_paths import kernel_paths
 from model.params import cast_params, with_quantized_experts
 from serve.detokenizer import Detokenizer
-from serve.grammar import Grammar, compile_grammar
+from serve.grammar import GrammarError, compile_grammar
+from serve.handle import Handle, RequestError
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
-from serve.sampling import SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
+from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 
 DTYPES = ("auto", "bfloat16", "float32")
@@ -165,7 +167,6 @@ class Engine:
         self._lock = threading.RLock()  # step() lands in-flight work while holding it
         self.error: str | None = None  # set when the loop died; the server reports unhealthy
         self._max_token_chars: int | None = None
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -178,52 +179,88 @@ class Engine:
         cfg = ModelConfig.from_json(model_dir)
         return cls(load_params(model_dir, cfg, config.model_dtype, progress), cfg, config)
 
-    # ------------------------------------------------------------------ requests
-    def prepare(self, prompt: list[int] | str, params: SamplingParams | dict | None = None
-                ) -> tuple[list[int], SamplingParams]:
-        """Validate a request: ``(token ids, sampling params)``, or ValueError saying what is wrong."""
-        params = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
+    # ------------------------------------------------------------------ the door
+    def submit(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, *,
+               rid: str | None = None, thinking: bool = False, stream: bool = True) -> Handle:
+        """Queue one client request: validated (here only), its constraint compiled (under
+        ``thinking`` it starts after ``</think>``), fanned out to ``n`` samples (sample i seeded
+        ``seed + i``, ids ``rid-i``), which share one turn in the scheduler's fair share and abort
+        together. ``RequestError`` says why not. ``stream``: deltas go to ``Handle.deltas``
+        (needs the loop running: ``start``); otherwise ``collect`` gathers the results."""
+        if self.error is not None:
+            raise RequestError(f"the engine failed: {self.error}", status=503)
+        ids, params = self._checked(prompt, params)
+        try:
+            grammar = compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
+        except GrammarError as e:
+            raise RequestError(str(e), e.param) from None
+        rid = rid or f"req-{next(self._ids)}"
+        subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        handle = Handle(rid, subs, self._close)
+        with self._lock:
+            taken = [s for s in subs if s in self._requests or any(r.group == s for r in self._requests.values())]
+            if taken:
+                raise RequestError(f"request id {taken[0]!r} is already in use", "rid")
+            for i, sub in enumerate(subs):
+                p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                req = Request(sub, ids, p, next(self._ids), group=rid, handle=handle if stream else None, index=i)
+                req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
+                if stream:
+                    req.detok = Detokenizer(self.decode)
+                self.scheduler.submit(req)
+                self._requests[sub] = req
+        return handle
+
+    def _checked(self, prompt: list[int] | str, params: SamplingParams | dict | None
+                 ) -> tuple[list[int], SamplingParams]:
+        if not isinstance(params, SamplingParams):
+            try:
+                params = SamplingParams.from_dict(params or {})
+            except InvalidSamplingParam as e:
+                raise RequestError(str(e), e.param) from None
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size
                               for t in ids):
-            raise ValueError(f"a prompt must be a non-empty list of token ids in [0, {self.cfg.vocab_size})")
+            raise RequestError(f"a prompt must be a non-empty list of token ids in [0, {self.cfg.vocab_size})",
+                               "prompt")
         if params.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if len(ids) + params.max_new_tokens > self.config.max_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds the context length {self.config.max_len}")
+            raise RequestError("max_new_tokens must be at least 1", "max_new_tokens")
+        limit = self.config.max_len
+        if len(ids) >= limit:
+            raise RequestError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                               f"({limit} tokens).", "prompt")
+        if len(ids) + params.max_new_tokens > limit:
+            raise RequestError(f"Requested token count exceeds the model's maximum context length of {limit} "
+                               f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
+                               f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
+                               f"for the completion.", "max_new_tokens")
         return ids, params
 
-    def compile_grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
-        """The structured-output constraint of ``params`` (under thinking it starts after ``</think>``)."""
-        return compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
-
-    def add_request(self, prompt: list[int] | str, params: SamplingParams | dict | None = None,
-                    rid: str | None = None, grammar: Grammar | None = None, group: str | None = None) -> list[str]:
-        """Queue a request (``n`` > 1 queues one per sample); returns the request ids.
-
-        ``grammar`` is a precompiled constraint; without one, ``params``' json_schema/regex/ebnf is
-        compiled here. ``group``: the client request it belongs to (default ``rid``), whose samples
-        share one turn in the scheduler's fair share and abort together.
-        """
-        ids, params = self.prepare(prompt, params)
-        if grammar is None:
-            grammar = self.compile_grammar(params)
-        rid = rid or f"req-{next(self._ids)}"
-        out = []
+    def _close(self, handle: Handle) -> None:
         with self._lock:
-            subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-            taken = [s for s in subs if s in self._requests or any(r.group == s for r in self._requests.values())]
-            if taken:
-                raise ValueError(f"request id {taken[0]!r} is already in use")
-            for i, sub in enumerate(subs):
-                p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                req = Request(sub, ids, p, next(self._ids), group=group or rid)
-                req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
-                self.scheduler.submit(req)
-                self._requests[sub] = req
-                out.append(sub)
-        return out
+            for rid in handle.rids:
+                req = self._requests.pop(rid, None)
+                if req is not None and not req.finished:
+                    req.finish_reason = "abort"   # the scheduler reaps it
+
+    def collect(self, handles: list[Handle], decode_text: bool = True, progress=None) -> list[dict]:
+        """Step until idle and return each (non-streamed) handle's result: one dict, or
+        ``{"choices": [...]}`` for ``n`` > 1 (``progress``: a bar counting samples)."""
+        rids, done = [r for h in handles for r in h.rids], 0
+        while self.has_work:
+            self.step()
+            if progress is not None:
+                finished = sum(self._requests[r].finished for r in rids)
+                progress.update(finished - done)
+                done = finished
+        self._reap()
+        results = []
+        for h in handles:
+            with self._lock:
+                outs = [self._result(self._requests[rid], decode_text) for rid in h.rids]
+            h.close()
+            results.append(outs[0] if len(outs) == 1 else {"choices": outs})
+        return results
 
     def abort(self, rid: str) -> None:
         """Finish request ``rid`` (exactly that id, or the ``n`` samples it fanned out to) now; its
@@ -235,14 +272,17 @@ class Engine:
                     self._notify(req)
 
     def abort_all(self) -> int:
-        """Abort every request that has a stream (shutdown); how many streams are still open."""
+        """Abort every streamed request (shutdown); how many streams are still open."""
         with self._lock:
-            for rid in list(self._listeners):
-                self.abort(rid)
-            return len(self._listeners)
+            for req in self._requests.values():
+                if req.handle is not None and not req.finished:
+                    req.finish_reason = "abort"
+                    self._notify(req)
+        return self.open_streams()
 
     def open_streams(self) -> int:
-        return len(self._listeners)
+        with self._lock:
+            return len({id(r.handle) for r in self._requests.values() if r.handle is not None})
 
     def load(self) -> dict:
         """The scheduler's state now, for ``/metrics``, ``/get_load`` and admission control."""
@@ -417,40 +457,30 @@ class Engine:
                 req.token_logprobs.append(float(logprobs[i]))
                 n = req.params.top_logprobs
                 req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
-            if req.detok is None and (req.params.stop or req.rid in self._listeners):
+            if req.detok is None and req.params.stop:
                 req.detok = Detokenizer(self.decode)
-                for t in req.output[:-1]:   # a listener that came late: catch up once
-                    req.text += req.detok.push(t)
             req.check_stop(tok, self.eos_ids, req.detok)
             self._notify(req)
 
     # ------------------------------------------------------------------ public APIs
     def generate(self, prompts: Iterable[list[int] | str], sampling_params: dict | list | None = None,
                  decode_text: bool = True, progress=None) -> list[dict]:
-        """Run a batch to completion; results in input order. Every request is validated before any runs."""
+        """Run a batch to completion; results in input order. Every request is validated before any
+        runs (RequestError naming the first bad one, and nothing queued)."""
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        prepared = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                ids, sp = self.prepare(p, sp)
-                prepared.append((ids, sp, self.compile_grammar(sp)))
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
-        groups = [self.add_request(ids, sp, grammar=g) for ids, sp, g in prepared]
-        rids, done = [r for g in groups for r in g], 0
-        while self.has_work:
-            self.step()
-            if progress is not None:
-                finished = sum(self._requests[r].finished for r in rids)
-                progress.update(finished - done)
-                done = finished
-        self._reap()
-        results = []
-        for group in groups:
-            outs = [self._result(self._requests.pop(rid), decode_text) for rid in group]
-            results.append(outs[0] if len(outs) == 1 else {"choices": outs})
-        return results
+        handles = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    handles.append(self.submit(p, sp, stream=False))
+                except RequestError as e:
+                    raise RequestError(f"request {i}: {e}", e.param, e.status) from None
+        except RequestError:
+            for h in handles:
+                h.close()
+            raise
+        return self.collect(handles, decode_text, progress)
 
     def _result(self, req: Request, decode_text: bool) -> dict:
         text = req.text
@@ -463,54 +493,26 @@ class Engine:
             out["token_logprobs"], out["top_logprobs"] = req.token_logprobs, req.top_logprobs
         return out
 
-    async def stream(self, prompt: list[int] | str, sampling_params: SamplingParams | dict | None = None,
-                     grammar: Grammar | None = None, group: str | None = None):
-        """Yield ``{"text", "output_ids", "finish_reason", ...}`` deltas as tokens arrive.
-
-        Needs an engine loop running in a thread (``start``); cancelling the generator aborts the
-        request. ``group``: as for ``add_request`` (the server's ``n`` streams of one call share one).
-        """
-        ids, params = self.prepare(prompt, sampling_params)
-        if params.n != 1:
-            raise ValueError("stream() runs one sample: start n streams for n > 1")
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        rid = f"req-{next(self._ids)}"
-        self._listeners[rid] = (loop, queue)
-        try:
-            self.add_request(ids, params, rid, grammar, group)
-            while True:
-                delta = await queue.get()  # what is new since the last one, taken on the engine thread
-                finished = delta["finish_reason"] is not None
-                if not params.logprobs:
-                    del delta["token_logprobs"], delta["top_logprobs"]
-                if not finished and not delta["output_ids"] and not delta["text"]:
-                    continue  # nothing new
-                if not finished:
-                    del delta["usage"]
-                yield delta
-                if finished:
-                    return
-        finally:
-            self._listeners.pop(rid, None)
-            self.abort(rid)
-            with self._lock:
-                self._requests.pop(rid, None)
-
     def _notify(self, req: Request) -> None:
         """Hand a stream what its request gained since the last call (called with the lock held):
         constant work a token, not a copy of the whole output."""
-        listener = self._listeners.get(req.rid)
-        if listener is not None:
-            loop, queue = listener
-            n, stable = len(req.output), req.stable_len()
-            delta = {"text": req.text[req.notified_text:stable], "output_ids": req.output[req.notified:],
-                     "token_logprobs": req.token_logprobs[req.notified:], "top_logprobs": req.top_logprobs[req.notified:],
-                     "finish_reason": req.finish_reason, "matched_stop": req.matched_stop, "usage": req.usage()}
-            req.notified, req.notified_text = n, max(req.notified_text, stable)
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        if req.handle is None:
+            return
+        n, stable, finished = len(req.output), req.stable_len(), req.finished
+        if n == req.notified and stable <= req.notified_text and not finished:
+            return   # nothing new
+        delta = {"text": req.text[req.notified_text:stable], "output_ids": req.output[req.notified:],
+                 "finish_reason": req.finish_reason, "matched_stop": req.matched_stop}
+        if req.params.logprobs:
+            delta["token_logprobs"] = req.token_logprobs[req.notified:]
+            delta["top_logprobs"] = req.top_logprobs[req.notified:]
+        if finished:
+            delta["usage"] = req.usage()
+        req.notified, req.notified_text = n, max(req.notified_text, stable)
+        req.handle.put(req.index, delta)
 
     def start(self) -> threading.Thread:
-        """Run the engine loop in a daemon thread (for ``stream``); a no-op while one runs."""
+        """Run the engine loop in a daemon thread (for streamed handles); a no-op while one runs."""
         if self._thread is not None and self._thread.is_alive():
             return self._thread
         self._stop = threading.Event()

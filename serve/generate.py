@@ -44,16 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
     from serve.engine import Engine
-    from serve.sampling import SamplingParams
+    from serve.handle import RequestError
 
     try:
         requests = read_requests(args.input)
         config = engine_config(args)
         engine = Engine.from_model_dir(args.model, config, progress=True)
-        for n, (prompt, params) in enumerate(requests, 1):
+        handles = []
+        for n, (prompt, params) in enumerate(requests, 1):   # all validated before anything compiles
             try:
-                engine.prepare(prompt, params)
-            except ValueError as e:
+                handles.append(engine.submit(prompt, params, stream=False))
+            except RequestError as e:
                 raise InputError(f"{args.input}: request {n}: {e}") from None
     except (ConfigError, CheckpointError, InputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -61,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_warmup:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
-    total = sum(SamplingParams.from_dict(sp).n for _, sp in requests)
+    total = sum(len(h.rids) for h in handles)
     with tqdm(total=total, desc="generating", unit="req", file=sys.stderr) as bar:
-        results = engine.generate([p for p, _ in requests], [sp for _, sp in requests], progress=bar)
+        results = engine.collect(handles, progress=bar)
     write_jsonl(args.output, results)
     return 0
 

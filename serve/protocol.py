@@ -26,6 +26,10 @@ class ApiError(Exception):
                 "object": "error", "message": self.message, "type": kind, "code": self.code}
 
 
+# the engine's name for a refused field (serve.handle.RequestError) -> the OpenAI APIs'
+OPENAI_FIELDS = {"prompt": "messages", "max_new_tokens": "max_tokens"}
+
+
 def require(cond: bool, message: str, param: str | None = None) -> None:
     if not cond:
         raise ApiError(400, message, param)

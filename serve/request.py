@@ -36,6 +36,8 @@ class Request:
     detok: Detokenizer | None = None  # set once its text is wanted (stop strings or a stream)
     notified: int = 0  # outputs handed to its stream so far
     notified_text: int = 0  # characters of stable text handed to its stream so far
+    handle: Any = None  # serve.handle.Handle its deltas go to (a streamed request), or None
+    index: int = 0  # which of its handle's samples it is
 
     @property
     def ids(self) -> list[int]:

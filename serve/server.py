@@ -6,20 +6,23 @@ Where each responsibility lives:
   fields of each API into ``SamplingParams`` (serve/protocol.py), renders chat prompts, and
   turns engine deltas into OpenAI or SGLang responses; every error an OpenAI envelope;
 * ``serve.tokenize_worker.TokenizerProcess``: prompts tokenised in a worker process;
-* ``Engine`` (its public methods only): ``prepare`` (the engine's own checks, as 400s),
-  ``stream`` (one sample; a call's ``n`` streams share one ``group``), ``abort``, ``load``,
-  ``flush_cache``, ``abort_all`` / ``open_streams`` at shutdown, ``control_tokens``;
+* ``Engine.submit`` (serve/engine.py), the one door: it validates once (a
+  ``serve.handle.RequestError`` this module answers as it is), fans ``n`` out and queues; the
+  ``Handle`` it returns streams ``(choice, delta)`` and closes with the HTTP request. Besides:
+  ``abort`` (exact id), ``load``, ``flush_cache``, ``abort_all`` / ``open_streams`` at shutdown;
 * ``serve.scheduler``: admission (the fair share between client requests), pages, retraction;
 * ``serve.detokenizer``: the text of each stream, a piece a token.
 
-The engine loop runs in its own thread. A client that disconnects closes its stream, which
+The types at the boundaries: a body -> ``SamplingParams`` and token ids -> ``Handle`` (the
+engine) -> ``Request`` (the scheduler) -> ``Chunk`` -> ``StepInput`` (the runner, one jitted
+step). The engine loop runs in its own thread. A client that disconnects closes its stream, which
 aborts the request and frees its memory; the server keeps serving.
 """
 from __future__ import annotations
 
 import asyncio
 import codecs
-import dataclasses
+import functools
 import json
 import re
 import time
@@ -32,18 +35,19 @@ from aiohttp import web
 from model.engram_vocab import tokenizer_path
 from serve.chat_template import ChatTemplateError, render_chat
 from serve.engine import Engine
-from serve.grammar import Grammar, GrammarError, has_grammar
+from serve.handle import Handle, RequestError
 from serve.metrics import Metrics
 from serve.parsers import OutputDelta, OutputParser
-from serve.protocol import ApiError, finish_reason_native, openai_sampling, require, sampling_params, typed
+from serve.protocol import OPENAI_FIELDS, ApiError, finish_reason_native, openai_sampling, require, sampling_params, typed
 from serve.sampling import SamplingParams
 from serve.tokenize_worker import TokenizerProcess
 
 HEALTH_TIMEOUT_S = 20.0
-GRAMMAR_TIMEOUT_S = 10.0
+SUBMIT_TIMEOUT_S = 10.0  # a request's constraint must compile within this
 BODY_TIMEOUT_S = 10.0  # a body that has not fully arrived by then (short of its Content-Length): 408
 MAX_NESTING = 64  # JSON nesting deeper than this: 400
 MAX_SCORE_ITEMS = 256
+HANDLES = web.RequestKey("handles", list)  # what an HTTP request submitted, closed when it ends
 
 
 class Server:
@@ -73,6 +77,7 @@ class Server:
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
         r.add_get("/metrics", self.metrics_endpoint)
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._shutdown)
@@ -114,6 +119,9 @@ class Server:
             raise
         except Exception as e:  # noqa: BLE001 - the server must answer and keep serving
             return web.json_response(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status=500)
+        finally:   # whatever the request submitted ends with it (a client gone: aborted, memory freed)
+            for handle in request.get(HANDLES, ()):
+                handle.close()
 
     # ------------------------------------------------------------------ helpers
     async def _body(self, request: web.Request) -> dict:
@@ -165,86 +173,42 @@ class Server:
             f"'{param}' must be a non-empty string or a list of token ids in [0, {vocab})", param)
         return prompt
 
-    def _admit(self, ids: list[int], params: SamplingParams) -> None:
-        if not self.ready or self.engine.error is not None:
-            raise ApiError(503, "the server is not ready, is shutting down, or its engine failed")
-        limit = self.engine.config.max_len
-        if len(ids) >= limit:
-            raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length "
-                                f"({limit} tokens).", "messages")
-        if len(ids) + params.max_new_tokens > limit:
-            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {limit} "
-                                f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: "
-                                f"{len(ids)} tokens from the input messages and {params.max_new_tokens} tokens "
-                                f"for the completion.", "max_tokens")
+    async def _submit(self, request: web.Request, ids: list[int], params: SamplingParams,
+                      fields: dict[str, str], thinking: bool = False, rid: str | None = None) -> Handle:
+        """Through the engine's door, off the event loop (a constraint may compile for a while,
+        within SUBMIT_TIMEOUT_S); its refusals as 4xx, their fields renamed to this API's
+        (``fields``). The handle closes when the HTTP request ends (``_errors``)."""
+        if not self.ready:
+            raise ApiError(503, "the server is not ready or is shutting down")
         if self.engine.load()["num_queue_reqs"] + params.n > self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
-
-    async def _grammar(self, params: SamplingParams, thinking: bool = False) -> Grammar | None:
-        """Compile the request's constraint off the event loop, within a time limit."""
-        if not has_grammar(params):
-            return None
-        field = next(k for k in ("json_schema", "regex", "ebnf") if getattr(params, k) is not None)
-        loop = asyncio.get_running_loop()
+        job = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.engine.submit, ids, params, rid=rid, thinking=thinking))
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, self.engine.compile_grammar, params, thinking),
-                                          GRAMMAR_TIMEOUT_S)
+            handle = await asyncio.wait_for(asyncio.shield(job), SUBMIT_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ApiError(400, f"compiling the {field} constraint took longer than {GRAMMAR_TIMEOUT_S:.0f} s",
+            job.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            field = next((k for k in ("json_schema", "regex", "ebnf") if getattr(params, k) is not None), None)
+            if field is None:
+                raise ApiError(503, "the engine did not take the request in time") from None
+            raise ApiError(400, f"compiling the {field} constraint took longer than {SUBMIT_TIMEOUT_S:.0f} s",
                            field) from None
-        except GrammarError as e:
-            raise ApiError(400, str(e), e.param) from None
+        except RequestError as e:
+            raise ApiError(e.status, e.message, fields.get(e.param, e.param)) from None
+        request.setdefault(HANDLES, []).append(handle)
+        return handle
 
-    async def _prepare(self, ids: list[int], params: SamplingParams, thinking: bool = False) -> list:
-        """Everything that can reject a request, before any response bytes go out: one grammar per choice."""
-        self._admit(ids, params)
-        try:
-            self.engine.prepare(ids, dataclasses.replace(params, n=1))   # the engine's own checks, as a 400
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        grammar = await self._grammar(params, thinking)
-        return [None if grammar is None else (grammar if i == 0 else grammar.copy()) for i in range(params.n)]
-
-    async def _choices(self, ids: list[int], params: SamplingParams, grammars: list
-                       ) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, delta) from ``n`` concurrent streams, with latency metrics."""
-        queue: asyncio.Queue = asyncio.Queue()
-        start = time.perf_counter()
-        group = uuid.uuid4().hex   # the call's n streams take one turn in the scheduler's fair share
-
-        async def pump(i: int, p: SamplingParams):
-            last = None
-            try:
-                async for delta in self.engine.stream(ids, p, grammars[i], group):
-                    now = time.perf_counter()
-                    if delta["output_ids"]:
-                        (self.metrics.ttft.observe(now - start) if last is None
-                         else self.metrics.itl.observe(now - last))
-                        last = now
-                    if delta["finish_reason"] is not None:
-                        self.metrics.finished(delta["usage"], now - start)
-                    await queue.put((i, delta))
-            except Exception as e:  # noqa: BLE001 - surfaced to the consumer
-                await queue.put((i, e))
-            finally:
-                await queue.put((i, None))
-
-        subs = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-                for i in range(params.n)]
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(subs)]
-        try:
-            open_ = len(tasks)
-            while open_:
-                i, item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
+    async def _choices(self, handle: Handle) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, delta) of the handle's samples, with latency metrics."""
+        start, last = time.perf_counter(), {}
+        async for i, delta in handle.deltas():
+            now = time.perf_counter()
+            if delta["output_ids"]:
+                (self.metrics.ttft.observe(now - start) if i not in last else self.metrics.itl.observe(now - last[i]))
+                last[i] = now
+            if delta["finish_reason"] is not None:
+                self.metrics.finished(delta["usage"], now - start)
+            yield i, delta
 
     async def _sse(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -258,13 +222,12 @@ class Server:
     async def health_generate(self, request: web.Request) -> web.Response:
         """Exercise the engine loop: one 1-token request must produce output in time."""
         async def probe():
-            async for _ in self.engine.stream([0], SamplingParams(max_new_tokens=1)):
+            handle = await self._submit(request, [0], SamplingParams(max_new_tokens=1), {})
+            async for _ in handle.deltas():
                 return
-        if not self.ready:
-            return web.Response(status=503)
         try:
             await asyncio.wait_for(probe(), HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, ApiError):
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -286,7 +249,7 @@ class Server:
         include_usage = typed(typed(body, "stream_options", dict, {}), "include_usage", bool, False)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        choices = self._choices(ids, params, await self._prepare(ids, params))
+        choices = self._choices(await self._submit(request, ids, params, OPENAI_FIELDS))
         if stream:
             resp = await self._sse(request)
             usage = _Usage()
@@ -338,7 +301,7 @@ class Server:
                 "chat.completion", "created": int(time.time()), "model": self.model_name}
         parsers = [OutputParser(thinking, tools_enabled=bool(tools) and tool_choice != "none")
                    for _ in range(params.n)]
-        grammars = await self._prepare(ids, params, thinking)
+        handle = await self._submit(request, ids, params, OPENAI_FIELDS, thinking)
         usage = _Usage()
 
         def finish_reason(i: int, d: dict) -> str | None:
@@ -351,7 +314,7 @@ class Server:
             for i in range(params.n):
                 await _send(resp, {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                         "finish_reason": None}]})
-            async for i, d in _guarded(resp, self._choices(ids, params, grammars)):
+            async for i, d in _guarded(resp, self._choices(handle)):
                 usage.add(d)
                 out = parsers[i].feed(self._strip_control(d["text"]))
                 if d["finish_reason"] is not None:
@@ -376,7 +339,7 @@ class Server:
         texts: dict[int, str] = {}
         final: dict[int, dict] = {}
         lps: dict[int, list] = {}
-        async for i, d in self._choices(ids, params, grammars):
+        async for i, d in self._choices(handle):
             usage.add(d)
             texts[i] = texts.get(i, "") + self._strip_control(d["text"])
             lps.setdefault(i, []).extend(_chat_logprobs(self.engine, d)["content"] if params.logprobs else [])
@@ -416,11 +379,12 @@ class Server:
         if isinstance(raw, dict) and body.get("return_logprob"):
             raw = {**raw, "logprobs": True, "top_logprobs": body.get("top_logprobs_num", 0)}
         params = sampling_params(raw)
-        rid = str(body.get("rid") or uuid.uuid4().hex)
+        rid = typed(body, "rid", str) or uuid.uuid4().hex
         start = time.perf_counter()
         acc: dict[int, dict] = {}
         stream = typed(body, "stream", bool, False)
-        choices = self._choices(ids, params, await self._prepare(ids, params))
+        prompt_field = "text" if "text" in body else "input_ids"
+        choices = self._choices(await self._submit(request, ids, params, {"prompt": prompt_field}, rid=rid))
         resp = await self._sse(request) if stream else None
         async for i, d in (choices if resp is None else _guarded(resp, choices)):
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "top": []})
@@ -501,6 +465,17 @@ class Server:
         refused = self.engine.flush_cache()
         if refused:
             raise ApiError(400, refused)
+        return web.json_response({"success": True})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's: end request ``rid`` (that id exactly, or its ``n`` samples), or all with ``abort_all``."""
+        body = await self._body(request)
+        if typed(body, "abort_all", bool, False):
+            self.engine.abort_all()
+        else:
+            rid = typed(body, "rid", str)
+            require(bool(rid), "'rid' (a request id) or 'abort_all' is required", "rid")
+            self.engine.abort(rid)
         return web.json_response({"success": True})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:

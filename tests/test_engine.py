@@ -14,6 +14,7 @@ from model.batch import pack_requests
 from model.forward import forward_jit
 from model.state import init_state
 from serve.engine import Engine, EngineConfig
+from serve.handle import RequestError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -48,10 +49,10 @@ def reference(tiny, prompts):
 
 def _staggered(engine, prompts, params=GREEDY):
     """Two requests first, the rest arriving while those decode."""
-    rids = [engine.add_request(p, params)[0] for p in prompts[:2]]
+    rids = [engine.submit(p, params, stream=False).rids[0] for p in prompts[:2]]
     for _ in range(3):
         engine.step()
-    rids += [engine.add_request(p, params)[0] for p in prompts[2:]]
+    rids += [engine.submit(p, params, stream=False).rids[0] for p in prompts[2:]]
     engine.run_until_idle()
     return [engine._requests[r] for r in rids]
 
@@ -71,8 +72,8 @@ def test_mixed_workload_compiles_within_buckets(tiny):
     for step in range(60):
         if step % 4 == 0:
             n = int(rng.integers(3, 70))
-            engine.add_request(rng.integers(3, 512, size=n).tolist(),
-                               {"max_new_tokens": int(rng.integers(1, 12)), "temperature": 0.7, "seed": step})
+            engine.submit(rng.integers(3, 512, size=n).tolist(),
+                          {"max_new_tokens": int(rng.integers(1, 12)), "temperature": 0.7, "seed": step}, stream=False)
         if engine.has_work:
             engine.step()
     engine.run_until_idle()
@@ -156,7 +157,7 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
     monkeypatch.setattr(ProgramCache, "run", spy)
     engine = _engine(tiny, decoder_replay="approx")
     for p in prompts[:2]:
-        engine.add_request(p, {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "seed": 1})
+        engine.submit(p, {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "seed": 1}, stream=False)
     engine.run_until_idle()
     assert {name for name, _ in seen} == {"plain_step", "trunk_step", "tail_step"}  # replay and plain steps
     monkeypatch.setattr(backend, "on_gpu", lambda: True)  # the programs as traced for the GPU
@@ -169,7 +170,7 @@ def test_step_programs_have_no_loops(tiny, prompts, monkeypatch):
 
 def test_abort_frees_everything(tiny, prompts):
     engine = _engine(tiny)
-    rids = [engine.add_request(p, {"max_new_tokens": 50, "ignore_eos": True})[0] for p in prompts]
+    rids = [engine.submit(p, {"max_new_tokens": 50, "ignore_eos": True}, stream=False).rids[0] for p in prompts]
     for _ in range(4):
         engine.step()
     for r in rids:
@@ -183,11 +184,12 @@ def test_abort_frees_everything(tiny, prompts):
 def test_abort_takes_the_exact_id_or_its_samples(tiny, prompts):
     engine = _engine(tiny)
     params = {"max_new_tokens": 50, "ignore_eos": True}
-    engine.add_request(prompts[0], params, rid="a")
-    engine.add_request(prompts[1], params, rid="a-1")   # not a sample of "a"
-    fan = engine.add_request(prompts[2], {**params, "n": 2, "temperature": 1.0, "seed": 3}, rid="b")
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request(prompts[0], params, rid="a")
+    engine.submit(prompts[0], params, rid="a", stream=False)
+    engine.submit(prompts[1], params, rid="a-1", stream=False)   # not a sample of "a"
+    fan = engine.submit(prompts[2], {**params, "n": 2, "temperature": 1.0, "seed": 3}, rid="b", stream=False).rids
+    with pytest.raises(RequestError, match="already in use") as refused:
+        engine.submit(prompts[0], params, rid="a", stream=False)
+    assert refused.value.param == "rid" and refused.value.status == 400
     engine.abort("a")
     engine.abort("b")
     assert engine._requests["a"].finish_reason == "abort" and engine._requests["a-1"].finish_reason is None
@@ -300,11 +302,11 @@ def test_async_stream_and_disconnect(tiny, prompts, reference):
     engine.start()
 
     async def main():
-        deltas = [d async for d in engine.stream(prompts[0], GREEDY)]
+        deltas = [d async for i, d in engine.submit(prompts[0], GREEDY).deltas()]
         ids = [t for d in deltas for t in d["output_ids"]]
         assert ids == reference[0] and deltas[-1]["finish_reason"] == "length" and "usage" in deltas[-1]
         assert "".join(d["text"] for d in deltas) == engine.decode(reference[0])
-        gen = engine.stream(prompts[1], {**GREEDY, "max_new_tokens": 60})
+        gen = engine.submit(prompts[1], {**GREEDY, "max_new_tokens": 60}).deltas()
         await gen.__anext__()
         await gen.aclose()  # the client goes away: its request is aborted and its memory freed
 

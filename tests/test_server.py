@@ -179,6 +179,29 @@ def test_disconnect_mid_stream_frees_memory(live, engine):
     assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
 
 
+def test_abort_request_by_exact_rid(live, engine):
+    """SGLang's /abort_request ends exactly the named request; a rid in use is refused with a 400."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def long(rid):
+        return live.request("/generate", {"input_ids": [3, 4, 5], "rid": rid, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(2) as pool:
+        a, a1 = pool.submit(long, "job"), pool.submit(long, "job-1")
+        while engine.load()["num_running_reqs"] < 2:
+            time.sleep(0.02)
+        code, text, _ = long("job")
+        assert code == 400 and json.loads(text)["error"]["param"] == "rid", text
+        assert live.request("/abort_request", {"rid": "job"})[0] == 200
+        got = json.loads(a.result()[1])["meta_info"]
+        assert got["id"] == "job" and got["finish_reason"] == {"type": "abort"} and got["completion_tokens"] < 200
+        other = json.loads(a1.result()[1])["meta_info"]   # "job-1" is not a sample of "job"
+        assert other["finish_reason"] == {"type": "length", "length": 200}
+    assert live.request("/abort_request", {})[0] == 400
+    assert _idle(engine)
+
+
 def test_metrics_and_flush(live, engine):
     code, text, _ = live.request("/metrics")
     assert code == 200
