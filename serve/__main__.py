@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, metavar="N",
                    help="larger request bodies get 413 before they are read")
+    g.add_argument("--enable-metrics", action="store_true",
+                   help="Prometheus metrics at /metrics (SGLang's sglang: names)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine(ap)
     args = ap.parse_args(argv)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
     server = Server(engine, name, api_key=args.api_key, max_queue=args.max_queued_requests,
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes, enable_metrics=args.enable_metrics)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
     return 0

@@ -1,11 +1,15 @@
-"""Batched whole-sequence passes: power-of-two length buckets, one compiled forward per bucket,
-held in the runner's program cache like the step programs (serve/programs.py)."""
+"""Batched whole-sequence passes over a ``LoadedModel``: power-of-two length buckets, one
+compiled forward per bucket, held in a program cache (serve/programs.py: the engine's, when it
+scores for ``/v1/score``). No KV pool: each sequence runs whole from an empty state."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
 from model.scoring import last_logits, token_logprobs
+from serve.loaded_model import LoadedModel
+from serve.programs import ProgramCache, shared_programs
+from serve.runner import Signature
 
 
 def bucket_length(n: int, smallest: int = 16) -> int:
@@ -34,31 +38,35 @@ def _bucketed(sequences: list[list[int]], batch_size: int):
             yield rows, jnp.asarray(tokens), jnp.asarray(lengths)
 
 
-def _run(runner, fn, tokens, lengths):
-    """``fn`` (model.scoring) on one padded batch, through the program held for its shape."""
-    def program(params, tokens, lengths, engram_map, *, cfg):
-        return fn(params, cfg, tokens, lengths, engram_map)
+class Scorer:
+    def __init__(self, model: LoadedModel, programs: ProgramCache | None = None):
+        self.model, self.programs = model, programs or shared_programs()
+        self.signature = Signature.of(model.cfg, 0, model.params, model.engram_map)
 
-    return runner.programs.run((fn.__name__, runner.signature, tokens.shape), program,
-                               (runner.params, tokens, lengths, runner.engram_map), dict(cfg=runner.cfg))
+    def _run(self, fn, tokens, lengths):
+        """``fn`` (model.scoring) on one padded batch, through the program held for its shape."""
+        def program(params, tokens, lengths, engram_map, *, cfg):
+            return fn(params, cfg, tokens, lengths, engram_map)
 
+        m = self.model
+        return self.programs.run((fn.__name__, self.signature, tokens.shape), program,
+                                 (m.params, tokens, lengths, m.engram_map), dict(cfg=m.cfg))
 
-def score_sequences(runner, sequences: list[list[int]], batch_size: int, progress=None) -> list[list[float | None]]:
-    """Log-probs of each sequence's tokens (the first is None), in input order."""
-    results: list = [None] * len(sequences)
-    for rows, tokens, lengths in _bucketed(sequences, batch_size):
-        lp = np.asarray(_run(runner, token_logprobs, tokens, lengths))
-        for r, i in enumerate(rows):
-            results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
-        if progress is not None:
-            progress.update(len(rows))
-    return results
+    def score(self, sequences: list[list[int]], batch_size: int = 8, progress=None) -> list[list[float | None]]:
+        """Log-probs of each sequence's tokens (the first is None), in input order."""
+        results: list = [None] * len(sequences)
+        for rows, tokens, lengths in _bucketed(sequences, batch_size):
+            lp = np.asarray(self._run(token_logprobs, tokens, lengths))
+            for r, i in enumerate(rows):
+                results[i] = [None] + [float(v) for v in lp[r, :len(sequences[i]) - 1]]
+            if progress is not None:
+                progress.update(len(rows))
+        return results
 
-
-def next_token_logits(runner, sequences: list[list[int]], batch_size: int) -> np.ndarray:
-    """``[len(sequences), V]`` logits after each sequence, in input order."""
-    out = np.zeros((len(sequences), runner.cfg.vocab_size), np.float32)
-    for rows, tokens, lengths in _bucketed(sequences, batch_size):
-        logits = np.asarray(_run(runner, last_logits, tokens, lengths))
-        out[rows] = logits[:len(rows)]
-    return out
+    def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
+        """``[len(sequences), V]`` logits after each sequence, in input order."""
+        out = np.zeros((len(sequences), self.model.cfg.vocab_size), np.float32)
+        for rows, tokens, lengths in _bucketed(sequences, batch_size):
+            logits = np.asarray(self._run(last_logits, tokens, lengths))
+            out[rows] = logits[:len(rows)]
+        return out

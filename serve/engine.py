@@ -10,8 +10,8 @@ identical with overlap on and off (seeds are keyed by position).
 
 The door: ``submit`` validates a request once and returns a ``Handle`` (serve/handle.py) whose
 ``deltas`` stream it; ``generate`` / ``collect`` run a batch to completion; ``abort`` by exact
-id; ``load``, ``flush_cache`` and ``open_streams`` for the server; ``score`` for per-token
-log-probs (the scoring CLI's path).
+id; ``load``, ``flush_cache`` and ``open_streams`` for the server; ``last_logits`` for ``/v1/score``
+(serve/batch_scoring.py's ``Scorer`` on the engine's model and programs).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import jax.numpy as jnp
 import numpy as np
 
 from model.batch import Batch
@@ -32,17 +31,15 @@ from model.config import ModelConfig
 from model.engram_hash import DEAD
 from model.forward import halo_rows
 from model.kernel_paths import kernel_paths
-from model.params import cast_params, with_quantized_experts
+from serve.batch_scoring import Scorer
 from serve.detokenizer import Detokenizer
 from serve.grammar import GrammarError, compile_grammar
 from serve.handle import Handle, RequestError
+from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
 from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
-
-DTYPES = ("auto", "bfloat16", "float32")
-
 
 THINK_END_ID = 128822  # `</think>` in the DeepSeek-V4 tokenizer (MODEL_SPEC §10)
 
@@ -66,12 +63,11 @@ class EngineConfig:
     dtype: str = "auto"  # the model dtype: "bfloat16", "float32", or "auto" (bf16 on a GPU, fp32 elsewhere)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        model_dtype(self.dtype)   # (a bad name: ValueError)
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
-        if self.quantization not in ("none", "fp8", "mxfp4", "w8a8"):
-            raise ValueError(f"quantization must be none, fp8, mxfp4 or w8a8, not {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
         if self.decoder_replay not in ("approx", "exact", "off"):
             raise ValueError(f"decoder_replay must be approx, exact or off, not {self.decoder_replay!r}")
         if self.page_size <= 0 or self.page_size % 2:
@@ -94,10 +90,7 @@ class EngineConfig:
     @property
     def model_dtype(self):
         """The dtype of the weights and activations (the kernels take bf16)."""
-        from mega.backend import on_gpu
-
-        name = ("bfloat16" if on_gpu() else "float32") if self.dtype == "auto" else self.dtype
-        return jnp.dtype(name)
+        return model_dtype(self.dtype)
 
     @property
     def pages(self) -> int:
@@ -114,28 +107,16 @@ class StepStats:
 
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, config: EngineConfig = EngineConfig(), tokenizer=None):
-        from model.engram_vocab import engram_map_for
-
         enable_compilation_cache()
-        if config.quantization == "w8a8":
-            cfg = dataclasses.replace(cfg, expert_activations="fp8")
-        elif cfg.expert_activations == "fp8" and config.quantization != "fp8":
-            logging.getLogger("megajax").warning(
-                "the model config asks for fp8 expert activations, which the MoE kernels take only with fp8 "
-                "expert weights: these experts run the (slower) XLA path; pass --quantization w8a8 or fp8")
+        self.model = LoadedModel.prepare(params, cfg, config.dtype, config.quantization)
+        cfg, params, emap = self.model.cfg, self.model.params, self.model.engram_map
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
-        emap = None
-        if cfg.engram_layer_ids:
-            emap = jnp.asarray(engram_map_for(cfg.vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id))
         self._cmap = None if emap is None else np.asarray(emap)
         eos = cfg.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.step_tokens, keep)
-        params = cast_params(params, config.model_dtype)
-        if config.quantization != "none":
-            params = with_quantized_experts(params, "fp8" if config.quantization == "w8a8" else config.quantization)
         b = self.buckets
         self.kernel_paths = kernel_paths(params, cfg, b.decode + b.prefill + b.replay,
                                          config.kv_cache_dtype == "fp8_e4m3")
@@ -157,6 +138,7 @@ class Engine:
             "compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%d "
             "mappings a program measured, under %s)", min(budget.capacity() or n_programs, n_programs),
             n_programs, budget.map_cost, budget.limits() or "no known limit")
+        self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
@@ -174,10 +156,8 @@ class Engine:
                        progress: bool = False) -> "Engine":
         """An engine on the checkpoint in ``model_dir``, loaded in ``config``'s model dtype
         (``progress``: a loading bar on stderr)."""
-        from checkpoints.hf import load_params
-
-        cfg = ModelConfig.from_json(model_dir)
-        return cls(load_params(model_dir, cfg, config.model_dtype, progress), cfg, config)
+        model = LoadedModel.from_model_dir(model_dir, config.dtype, progress=progress)
+        return cls(model.params, model.cfg, config)
 
     # ------------------------------------------------------------------ the door
     def submit(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, *,
@@ -547,17 +527,9 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    def score(self, sequences: list[list[int]], batch_size: int = 8, progress=None) -> list[list[float | None]]:
-        """Per-token log-probs of whole sequences (no decoder replay: every prompt row is needed)."""
-        from serve.batch_scoring import score_sequences
-
-        return score_sequences(self.runner, sequences, batch_size, progress)
-
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""
-        from serve.batch_scoring import next_token_logits
-
-        return next_token_logits(self.runner, sequences, batch_size)
+        return self.scorer.last_logits(sequences, batch_size)
 
     def program_info(self) -> dict:
         """The compiled-program budget and cache counters (serve/programs.py)."""

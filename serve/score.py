@@ -5,7 +5,8 @@ Each input line is ``{"input_ids": [...]}``; each output line is ``{"token_logpr
 are validated up front (a bad line is reported with its number and nothing runs), then
 grouped into a few power-of-two length buckets, each jitted once, with a progress bar.
 The output is written to a temporary file and renamed only when complete. The work is
-``Engine.score`` (serve/batch_scoring.py).
+a ``Scorer`` (serve/batch_scoring.py) on the ``LoadedModel`` the engine would build: no engine,
+no KV pool.
 """
 from __future__ import annotations
 
@@ -49,19 +50,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError, ModelConfig
-    from serve.engine import Engine, EngineConfig
+    from serve.batch_scoring import Scorer
+    from serve.loaded_model import LoadedModel
 
     try:
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
-        # Scoring runs whole sequences from an empty state: the engine needs no KV pool for it.
-        config = EngineConfig(max_running=1, max_len=2, page_size=2, dtype=args.dtype, quantization=args.quantization)
-        engine = Engine.from_model_dir(args.model, config, progress=True)
-    except (ConfigError, CheckpointError, InputError) as e:
+        model = LoadedModel.from_model_dir(args.model, args.dtype, args.quantization, progress=True)
+    except (ConfigError, CheckpointError, InputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with tqdm(total=len(sequences), desc="scoring", unit="seq", file=sys.stderr) as bar:
-        results = engine.score(sequences, args.batch_size, bar)
+        results = Scorer(model).score(sequences, args.batch_size, bar)
     write_jsonl(args.output, [{"token_logprobs": lp} for lp in results])
     return 0
 

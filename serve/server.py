@@ -52,12 +52,12 @@ HANDLES = web.RequestKey("handles", list)  # what an HTTP request submitted, clo
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-                 default_max_tokens: int = 128, max_request_bytes: int = 16 << 20):
+                 default_max_tokens: int = 128, max_request_bytes: int = 16 << 20, enable_metrics: bool = False):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.max_request_bytes = max_request_bytes
         self.tokenizer = TokenizerProcess(str(tokenizer_path()))
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name) if enable_metrics else None   # SGLang's --enable-metrics
         self._control: re.Pattern | None = None
         self.created = int(time.time())
         self.ready = False
@@ -78,7 +78,8 @@ class Server:
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
-        r.add_get("/metrics", self.metrics_endpoint)
+        if self.metrics is not None:
+            r.add_get("/metrics", self.metrics_endpoint)
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._shutdown)
         return app
@@ -200,14 +201,17 @@ class Server:
 
     async def _choices(self, handle: Handle) -> AsyncIterator[tuple[int, dict]]:
         """(choice index, delta) of the handle's samples, with latency metrics."""
-        start, last = time.perf_counter(), {}
+        start, last, m = time.perf_counter(), {}, self.metrics
         async for i, delta in handle.deltas():
+            if m is None:
+                yield i, delta
+                continue
             now = time.perf_counter()
             if delta["output_ids"]:
-                (self.metrics.ttft.observe(now - start) if i not in last else self.metrics.itl.observe(now - last[i]))
+                (m.ttft.observe(now - start) if i not in last else m.itl.observe(now - last[i]))
                 last[i] = now
             if delta["finish_reason"] is not None:
-                self.metrics.finished(delta["usage"], now - start)
+                m.finished(delta["usage"], now - start)
             yield i, delta
 
     async def _sse(self, request: web.Request) -> web.StreamResponse:

@@ -62,7 +62,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def live(engine):
-    srv = LiveServer(Server(engine, NAME, default_max_tokens=8))
+    srv = LiveServer(Server(engine, NAME, default_max_tokens=8, enable_metrics=True))
     yield srv
     srv.close()
 
@@ -211,6 +211,8 @@ def test_metrics_and_flush(live, engine):
         assert name in text, name
     assert _idle(engine)
     assert live.request("/flush_cache", method="POST", raw=b"")[0] == 200
+    routes = {r.resource.canonical for r in Server(engine, NAME).app().router.routes()}
+    assert "/metrics" not in routes and "/health" in routes   # off unless --enable-metrics, as in SGLang
 
 
 def test_score_endpoint(live):
