@@ -68,23 +68,22 @@ def compress(x: jnp.ndarray, p: dict, ratio: int, info: StepInfo, tail_kv: jnp.n
         return rms_norm(k.astype(x.dtype), p["norm"], eps), completes, tail_kv, tail_gate
     g = linear(x, p["wgate"])
     t = jnp.arange(x.shape[0])
+    groups = tail_kv.shape[1]   # the tail ring (model.state.tail_groups)
     members_k, members_g = [], []
     for j in range(ratio):
         q = info.pos - (ratio - 1) + j
         from_step = q >= info.start
-        tail_slot = jnp.clip(q % ratio, 0, ratio - 2)
+        at = (info.slot, (jnp.maximum(q, 0) // ratio) % groups, jnp.clip(q % ratio, 0, ratio - 2))
         src = jnp.clip(t - (ratio - 1) + j, 0)
-        members_k.append(jnp.where(from_step[:, None], k[src], tail_kv[info.slot, tail_slot]))
-        members_g.append(jnp.where(from_step[:, None], g[src], tail_gate[info.slot, tail_slot]))
+        members_k.append(jnp.where(from_step[:, None], k[src], tail_kv[at]))
+        members_g.append(jnp.where(from_step[:, None], g[src], tail_gate[at]))
     weights = jax.nn.softmax(jnp.stack(members_g), axis=0)
     latent = rms_norm((weights * jnp.stack(members_k)).sum(0).astype(x.dtype), p["norm"], eps)
-    # Tokens of the request's unfinished last group become its new tail.
-    pending = info.valid & (info.pos >= info.end // ratio * ratio)
-    b = _drop_rows(info.slot, pending, tail_kv.shape[0])
-    slot_in_group = info.pos % ratio
-    tail_kv = tail_kv.at[b, slot_in_group].set(k, mode="drop")
-    tail_gate = tail_gate.at[b, slot_in_group].set(g, mode="drop")
-    return latent, completes, tail_kv, tail_gate
+    # The leading members of the request's last ``groups`` groups go to the tail ring: the
+    # unfinished last group's, and under speculation those a rollback may cut back to.
+    kept = info.valid & (info.pos % ratio < ratio - 1) & (info.pos // ratio > (info.end - 1) // ratio - groups)
+    at = (_drop_rows(info.slot, kept, tail_kv.shape[0]), (info.pos // ratio) % groups, info.pos % ratio)
+    return latent, completes, tail_kv.at[at].set(k, mode="drop"), tail_gate.at[at].set(g, mode="drop")
 
 
 def _compress_rope(cfg: ModelConfig, positions: jnp.ndarray):
@@ -156,13 +155,11 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
 
     ``forced`` ([T, N] bool, index sources only) replaces the top-k choice by a given entry set.
     """
-    t, h, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+    hd = cfg.head_dim
     ratio = cfg.compress_ratios[layer]
     cos, sin = info.rope["compress" if ratio else "main"]
-    r = rms_norm(linear(x, p["wq_a"]).astype(x.dtype), p["q_norm"], cfg.rms_norm_eps)
-    q = linear(r, p["wq_b"]).astype(x.dtype).reshape(t, h, hd)
-    kv = apply_rope(rms_norm(linear(x, p["wkv"]).astype(x.dtype), p["kv_norm"], cfg.rms_norm_eps), cos, sin)
-    window_pool, new_ring = _window(kv, state.window[layer], info)
+    r, q = queries(x, p, cfg)
+    window_pool, new_ring = _window(window_kv(x, p, cfg, cos, sin), state.window[layer], info)
 
     update, comp_kv, comp_idx = None, None, None
     if ratio:
@@ -187,11 +184,28 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
         comp_kv, comp_idx = pool_kv, published.comp_idx
 
     o = attention(q, cos, sin, window_pool, info.window_idx, comp_kv, comp_idx, p["sink"], hd ** -0.5)
-    g = cfg.o_groups
+    return output(o, p, cfg, x.dtype), new_ring, update, published
+
+
+def queries(x: jnp.ndarray, p: dict, cfg: ModelConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """``(r, q)``: the low-rank query latent ``q_norm(wq_a x)`` (the indexer reads it too) and
+    the heads ``wq_b r`` as ``[T, H, head_dim]``, before RoPE (``mega.attention`` rotates)."""
+    r = rms_norm(linear(x, p["wq_a"]).astype(x.dtype), p["q_norm"], cfg.rms_norm_eps)
+    return r, linear(r, p["wq_b"]).astype(x.dtype).reshape(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+
+
+def window_kv(x: jnp.ndarray, p: dict, cfg: ModelConfig, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """The window's K = V, ``RoPE(kv_norm(wkv x))``, before its FP8 quantiser."""
+    return apply_rope(rms_norm(linear(x, p["wkv"]).astype(x.dtype), p["kv_norm"], cfg.rms_norm_eps), cos, sin)
+
+
+def output(o: jnp.ndarray, p: dict, cfg: ModelConfig, dtype) -> jnp.ndarray:
+    """The grouped ``wo_a`` (one block per group of heads) then ``wo_b``: ``[T, H, hd] -> [T, D]``."""
+    t, g = o.shape[0], cfg.o_groups
     wo_a = p["wo_a"].reshape(g, cfg.o_lora_rank, -1)
     y = jnp.einsum("tgi,gri->tgr", o.reshape(t, g, -1), wo_a, precision=HIGHEST,
-                   preferred_element_type=jnp.float32).astype(x.dtype)
-    return linear(y.reshape(t, -1), p["wo_b"]).astype(x.dtype), new_ring, update, published
+                   preferred_element_type=jnp.float32).astype(dtype)
+    return linear(y.reshape(t, -1), p["wo_b"]).astype(dtype)
 
 
 def _window(kv: jnp.ndarray, ring, info: StepInfo):

@@ -38,7 +38,7 @@ class StepInfo(NamedTuple):
     cached: jnp.ndarray  # int32 [R], tokens of the row's request whose compressed entries exist
     starts: jnp.ndarray  # int32 [B]
     ends: jnp.ndarray  # int32 [B]
-    window_idx: jnp.ndarray  # int32 [R, W] rows of [ring (B*W) ; computed rows (R)], -1 if missing
+    window_idx: jnp.ndarray  # int32 [R, W] rows of [rings (B x ring rows) ; computed rows (R)], -1 if missing
     rope: dict  # "main" / "compress": (cos, sin) [R, rope_dim // 2]
 
     def head(self, rows: int) -> "StepInfo":
@@ -50,13 +50,13 @@ class StepInfo(NamedTuple):
 def _info(cfg: ModelConfig, state: ModelState, valid, slot, pos, starts, ends, computed_from) -> StepInfo:
     """Metadata of ``R`` computed rows; ``computed_from`` [R] is the first step position computed
     in this row set for the row's request (rows of a request are contiguous and in order)."""
-    w, n_slots = cfg.sliding_window, state.batch_size
+    w, ring, n_slots = cfg.sliding_window, state.ring_rows, state.batch_size
     back = jnp.arange(w, dtype=jnp.int32)
     src = pos[:, None] - back[None, :]
     r = jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None]
     start = starts[slot]
-    from_step = jnp.where(src >= computed_from[:, None], n_slots * w + r - back[None, :], -1)
-    from_ring = jnp.where(src >= state.window_floor[slot][:, None], slot[:, None] * w + src % w, -1)
+    from_step = jnp.where(src >= computed_from[:, None], n_slots * ring + r - back[None, :], -1)
+    from_ring = jnp.where(src >= state.window_floor[slot][:, None], slot[:, None] * ring + src % ring, -1)
     idx = jnp.where(src >= start[:, None], from_step, from_ring)
     window_idx = jnp.where((src >= 0) & valid[:, None], idx, -1)
     rope = {kind: cos_sin(jnp.asarray(inv_freq(cfg, kind)), pos) for kind in ("main", "compress")}

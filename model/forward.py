@@ -149,7 +149,8 @@ def forward_tail(params: dict, cfg: ModelConfig, state: ModelState, cut: Cut, lo
     return _finish(params, cfg, f, cut.engram_hist, logit_rows)
 
 
-def _hc(cfg: ModelConfig) -> dict:
+def hc_options(cfg: ModelConfig) -> dict:
+    """The mHC step's keyword options of ``cfg``."""
     return dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
 
@@ -174,7 +175,7 @@ def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
         residual = engram(residual, update, f.hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
                           eps=cfg.rms_norm_eps)
         update = None
-    residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], f.pre, lp["attn_norm"], **_hc(cfg))
+    residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], f.pre, lp["attn_norm"], **hc_options(cfg))
     y, ring, src_update, published = attention_sublayer(x, lp["attn"], i, cfg, f.info, f.state, f.published, forced)
     state = f.state
     if src_update is not None:  # later layers of the group read the updated pools
@@ -185,14 +186,14 @@ def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
 
 def _ffn_site(lp: dict, cfg: ModelConfig, f: Flow, y: jnp.ndarray, attn_mix: HcMix) -> Flow:
     residual, x, ffn_mix = mhc_step(f.residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
-                                    attn_mix.pre, lp["ffn_norm"], **_hc(cfg))
+                                    attn_mix.pre, lp["ffn_norm"], **hc_options(cfg))
     return f._replace(residual=residual, update=Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb),
                       pre=ffn_mix.pre)
 
 
 def _finish(params, cfg, f: Flow, engram_hist, logit_rows):
     """The final collapse and the LM head over ``logit_rows`` (default: every row)."""
-    _, x, _ = mhc_step(f.residual, f.update, None, f.pre, params["norm"], **_hc(cfg))
+    _, x, _ = mhc_step(f.residual, f.update, None, f.pre, params["norm"], **hc_options(cfg))
     if logit_rows is not None:
         x = x[logit_rows]
     with jax.named_scope("lm_head"):

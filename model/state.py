@@ -9,7 +9,13 @@ The state holds ``B`` request slots. Per layer kind:
   the values it yields are the same, since the model fake-quantises the window KV anyway;
 * every KV source: a pool of compressed-KV rows and one of indexer-key rows, addressed
   through the page table (prefix-cacheable, so paged), and for ratio > 1 the pending
-  group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens;
+  group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens, in a ring of
+  ``tail_groups`` groups (group ``n`` in slot ``n % tail_groups``);
+* with speculative decoding (``spec_tokens`` > 0, MODEL_SPEC §4): the rings keep
+  ``spec_tokens`` rows beyond the window and the tails one group per ``ratio`` of them more,
+  so what a rejected draft wrote never overwrites what the accepted tokens still need:
+  rolling a request back is setting its length (and its Engram look-back); and each DSpark
+  draft layer has a window ring of the context KV (``draft_window``);
 * per request: the number of tokens processed, the Engram look-back (the last
   ``max_ngram - 1`` compressed ids, ``DEAD`` where there is none), the first position whose
   window KV the ring holds (``window_floor``: after a prefix hit, encoder replay rebuilds
@@ -48,20 +54,21 @@ class Fp8Ring(NamedTuple):
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["seq_lens", "window", "comp_kv", "index_k", "tail_kv", "tail_gate", "page_table",
-                      "engram_hist", "window_floor", "cached_len"],
+                      "engram_hist", "window_floor", "cached_len", "draft_window"],
          meta_fields=["page_size"])
 @dataclass(frozen=True)
 class ModelState:
     seq_lens: jnp.ndarray  # int32 [B]
-    window: tuple  # per backbone layer: [B, W, head_dim], or an Fp8Ring
+    window: tuple  # per backbone layer: [B, ring_rows, head_dim], or an Fp8Ring
     comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
     index_k: tuple  # per KV source: [pages * page_size // ratio, index_head_dim]
-    tail_kv: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
-    tail_gate: tuple  # per KV source: [B, ratio - 1, head_dim] fp32
+    tail_kv: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
+    tail_gate: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     page_table: jnp.ndarray  # int32 [B, pages per request]
     engram_hist: jnp.ndarray  # int32 [B, max_ngram - 1]
     window_floor: jnp.ndarray  # int32 [B]
     cached_len: jnp.ndarray  # int32 [B]
+    draft_window: tuple  # per DSpark draft layer: [B, ring_rows, head_dim] (empty without speculation)
     page_size: int
 
     @property
@@ -73,6 +80,12 @@ class ModelState:
         """Tokens one slot can hold."""
         return self.page_table.shape[1] * self.page_size
 
+    @property
+    def ring_rows(self) -> int:
+        """Rows of a window ring: the window, plus the speculative slack."""
+        ring = self.window[0]
+        return (ring.values if isinstance(ring, Fp8Ring) else ring).shape[1]
+
     def replace(self, **kw) -> "ModelState":
         return dataclasses.replace(self, **kw)
 
@@ -82,14 +95,20 @@ def state_dtype(params: dict):
     return params["embed"].dtype
 
 
+def tail_groups(ratio: int, spec_tokens: int) -> int:
+    """Groups a ratio-``ratio`` tail ring holds: one, or with ``spec_tokens`` drafts verified past
+    an accepted token, every group a verify step's tokens touch."""
+    return 1 if not spec_tokens else 1 + -(-(spec_tokens + 1) // ratio)
+
+
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
-               dtype=jnp.float32, window_fp8: bool = False) -> ModelState:
+               dtype=jnp.float32, window_fp8: bool = False, spec_tokens: int = 0) -> ModelState:
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
     if page_size <= 0 or any(page_size % r for r in ratios):
         raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio {ratios}")
     pages = -(-max_len // page_size)
     n_pages = batch_size * pages
-    w, hd = cfg.sliding_window, cfg.head_dim
+    w, hd = cfg.sliding_window + spec_tokens, cfg.head_dim
     if window_fp8 and hd % 32:
         raise ValueError(f"window_fp8 needs head_dim divisible by the 32-channel scale block, got {hd}")
 
@@ -104,12 +123,15 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
         window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
         comp_kv=tuple(jnp.zeros((n_pages * page_size // r, hd), dtype) for r in ratios),
         index_k=tuple(jnp.zeros((n_pages * page_size // r, cfg.index_head_dim), dtype) for r in ratios),
-        tail_kv=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),
-        tail_gate=tuple(jnp.zeros((batch_size, r - 1, hd), jnp.float32) for r in ratios),
+        tail_kv=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32) for r in ratios),
+        tail_gate=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32)
+                        for r in ratios),
         page_table=jnp.arange(n_pages, dtype=jnp.int32).reshape(batch_size, pages),
         engram_hist=jnp.full((batch_size, max(cfg.engram_max_ngram_size - 1, 0)), DEAD, jnp.int32),
         window_floor=jnp.zeros((batch_size,), jnp.int32),
         cached_len=jnp.zeros((batch_size,), jnp.int32),
+        draft_window=tuple(jnp.zeros((batch_size, w, hd), dtype)
+                           for _ in range(cfg.num_nextn_predict_layers if spec_tokens else 0)),
         page_size=page_size,
     )
 
