@@ -40,9 +40,18 @@ def moe_spec(cfg: ModelConfig) -> MoeSpec:
                    cfg.norm_topk_prob, cfg.expert_activations == "fp8")
 
 
+class Taps(NamedTuple):
+    """DSpark's context from a target step (MODEL_SPEC §7): per computed row, the mean over the
+    streams entering each of ``dspark_target_layer_ids``, and the rows' metadata."""
+
+    aux: jnp.ndarray  # [R, n_taps, D]
+    info: StepInfo
+
+
 class Flow(NamedTuple):
     """What one layer hands the next: the streams, the pending sublayer update, the pre-mix the
-    next site collapses with, the index sources' selections, the state and the rows' metadata."""
+    next site collapses with, the index sources' selections, the state and the rows' metadata
+    (and, when asked, the DSpark taps so far)."""
 
     residual: jnp.ndarray  # [T, hc, D]
     update: Update | None
@@ -52,6 +61,7 @@ class Flow(NamedTuple):
     state: ModelState
     info: StepInfo
     hash_rows: jnp.ndarray | None  # [T, n_engram_layers, cols]
+    taps: tuple | None = None  # [T, D] per target layer passed, or None: not collected
 
 
 class Cut(NamedTuple):
@@ -68,12 +78,13 @@ class Cut(NamedTuple):
     hash_rows: jnp.ndarray | None
     row_src: jnp.ndarray  # [R] batch row of each kept row, -1 for padding
     engram_hist: jnp.ndarray  # [B, n-1] the look-back after this step
+    taps: tuple | None = None
 
     def take(self, rows: int) -> "Cut":
         head = partial(jax.tree.map, lambda a: a[:rows])
         return self._replace(residual=self.residual[:rows], y=self.y[:rows], attn_mix=head(self.attn_mix),
                              published=head(self.published), info=self.info.head(rows),
-                             hash_rows=head(self.hash_rows), row_src=self.row_src[:rows])
+                             hash_rows=head(self.hash_rows), row_src=self.row_src[:rows], taps=head(self.taps))
 
     def rows_of(self, batch_rows: jnp.ndarray) -> jnp.ndarray:
         """Where batch rows ``[S]`` (kept ones) sit among the cut's rows."""
@@ -82,8 +93,8 @@ class Cut(NamedTuple):
 
 def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map: jnp.ndarray | None = None,
             trace: bool = False, forced_selection: dict | None = None, logit_rows: jnp.ndarray | None = None,
-            replay: tuple[int, int] | None = None):
-    """Logits (fp32) and the updated state.
+            replay: tuple[int, int] | None = None, taps: bool = False):
+    """Logits (fp32) and the updated state (and with ``taps`` the DSpark context, ``Taps``).
 
     * ``engram_map`` [V]: the compressed-vocabulary map (model.engram_vocab), required when
       the config has Engram layers.
@@ -100,9 +111,9 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
     if replay is not None:
         if trace or logit_rows is None:
             raise ValueError("decoder replay computes only the kept rows: pass logit_rows, and no trace")
-        cut, state = forward_trunk(params, cfg, state, batch, engram_map, *replay, forced_selection)
+        cut, state = forward_trunk(params, cfg, state, batch, engram_map, *replay, forced_selection, taps)
         return forward_tail(params, cfg, state, cut, cut.rows_of(logit_rows))
-    f, engram_hist = _start(params, cfg, state, batch, engram_map)
+    f, engram_hist = _start(params, cfg, state, batch, engram_map, taps)
     streams, premixes, selections = [], [], {}
     forced_selection = forced_selection or {}
     for i, lp in enumerate(params["layers"]):
@@ -113,17 +124,17 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
         if trace:
             streams.append(hc_expand(f.residual, f.update))
             premixes.append(f.pre)
-    logits, new_state = _finish(params, cfg, f, engram_hist, logit_rows)
+    out = _finish(params, cfg, f, engram_hist, logit_rows)
     if trace:
-        return logits, new_state, Trace(jnp.stack(streams), jnp.stack(premixes), f.hash_rows, selections)
-    return logits, new_state
+        return *out, Trace(jnp.stack(streams), jnp.stack(premixes), f.hash_rows, selections)
+    return out
 
 
 def forward_trunk(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, engram_map, keep: int,
-                  rows: int, forced_selection: dict | None = None) -> tuple[Cut, ModelState]:
+                  rows: int, forced_selection: dict | None = None, taps: bool = False) -> tuple[Cut, ModelState]:
     """A replay step's layers up to the last KV source's attention on every row; then its
     requests' last ``keep`` rows gathered into ``rows`` (``forward``'s ``replay``)."""
-    f, engram_hist = _start(params, cfg, state, batch, engram_map)
+    f, engram_hist = _start(params, cfg, state, batch, engram_map, taps)
     forced_selection = forced_selection or {}
     last = cfg.last_kv_source
     for i, lp in enumerate(params["layers"][:last + 1]):
@@ -133,15 +144,16 @@ def forward_trunk(params: dict, cfg: ModelConfig, state: ModelState, batch: Batc
     info, row_src = replay_rows(cfg, f.state, f.info, keep, rows)
     take = partial(jax.tree.map, lambda a: a[jnp.maximum(row_src, 0)])
     cut = Cut(take(f.residual), take(y), take(attn_mix), take(f.published), info, take(f.hash_rows), row_src,
-              engram_hist)
+              engram_hist, take(f.taps))
     return cut, f.state.replace(window=f.windows)
 
 
 def forward_tail(params: dict, cfg: ModelConfig, state: ModelState, cut: Cut, logit_rows: jnp.ndarray):
-    """The rest of a replay step on the cut's rows: ``(logits [S], state)``; ``logit_rows``
-    index the cut's rows (``Cut.rows_of``)."""
+    """The rest of a replay step on the cut's rows: ``(logits [S], state)`` (and ``Taps`` when
+    the trunk collected them); ``logit_rows`` index the cut's rows (``Cut.rows_of``)."""
     last = cfg.last_kv_source
-    f = Flow(cut.residual, None, cut.attn_mix.pre, cut.published, state.window, state, cut.info, cut.hash_rows)
+    f = Flow(cut.residual, None, cut.attn_mix.pre, cut.published, state.window, state, cut.info, cut.hash_rows,
+             cut.taps)
     f = _ffn_site(params["layers"][last], cfg, f, cut.y, cut.attn_mix)
     for i, lp in enumerate(params["layers"][last + 1:], last + 1):
         f, y, attn_mix = _attention_site(lp, cfg, i, f, None)
@@ -154,7 +166,7 @@ def hc_options(cfg: ModelConfig) -> dict:
     return dict(eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
 
 
-def _start(params, cfg, state, batch, engram_map) -> tuple[Flow, jnp.ndarray]:
+def _start(params, cfg, state, batch, engram_map, taps: bool = False) -> tuple[Flow, jnp.ndarray]:
     """The flow into layer 0 and the Engram look-back after this step."""
     info = step_info(cfg, state, batch)
     hash_rows, engram_hist = None, state.engram_hist
@@ -165,12 +177,15 @@ def _start(params, cfg, state, batch, engram_map) -> tuple[Flow, jnp.ndarray]:
     x0 = params["embed"][batch.tokens]
     residual = jnp.repeat(x0[:, None, :], cfg.hc_mult, axis=1)
     pre = jnp.zeros((x0.shape[0], cfg.hc_mult), jnp.float32).at[:, 0].set(1.0)
-    return Flow(residual, None, pre, Published(), state.window, state, info, hash_rows), engram_hist
+    return Flow(residual, None, pre, Published(), state.window, state, info, hash_rows, () if taps else None), \
+        engram_hist
 
 
 def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
     """[Engram] and the attention sublayer of layer ``i``: ``(flow, output, the site's mix)``."""
     residual, update = f.residual, f.update
+    if f.taps is not None and i in cfg.dspark_target_layer_ids:   # before Engram (targets have none)
+        f = f._replace(taps=f.taps + (hc_expand(residual, update).astype(jnp.float32).mean(1).astype(residual.dtype),))
     if i in cfg.engram_layer_ids:
         residual = engram(residual, update, f.hash_rows[:, cfg.engram_layer_ids.index(i)], lp["engram"],
                           eps=cfg.rms_norm_eps)
@@ -198,7 +213,10 @@ def _finish(params, cfg, f: Flow, engram_hist, logit_rows):
         x = x[logit_rows]
     with jax.named_scope("lm_head"):
         logits = linear(x, params["lm_head"])
-    return logits, f.state.replace(seq_lens=f.info.ends, window=f.windows, engram_hist=engram_hist)
+    state = f.state.replace(seq_lens=f.info.ends, window=f.windows, engram_hist=engram_hist)
+    if f.taps is None:
+        return logits, state
+    return logits, state, Taps(jnp.stack(f.taps, 1), f.info)
 
 
 def halo_rows(cfg: ModelConfig, multiple: int = 256) -> int:
@@ -234,4 +252,4 @@ def _engram_rows(cfg: ModelConfig, state: ModelState, batch: Batch, info: StepIn
     return rows, shifted.at[b, slot_in_hist].set(comp, mode="drop")
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "trace", "replay"), donate_argnames=("state",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "trace", "replay", "taps"), donate_argnames=("state",))

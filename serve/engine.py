@@ -37,7 +37,8 @@ from serve.grammar import GrammarError, compile_grammar
 from serve.handle import Handle, RequestError
 from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
 from serve.request import Request
-from serve.runner import Buckets, ModelRunner, SlotReset, StepInput, enable_compilation_cache
+from serve.runner import Buckets, ModelRunner, SlotReset, SpecOptions, StepInput, enable_compilation_cache
+from serve.speculative import SpecInput
 from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 
@@ -61,6 +62,13 @@ class EngineConfig:
     quantization: str = "none"
     max_programs: int | None = None  # compiled step programs held at once (None: as many as fit, serve/programs.py)
     dtype: str = "auto"  # the model dtype: "bfloat16", "float32", or "auto" (bf16 on a GPU, fp32 elsewhere)
+    # speculative decoding (SGLang's names): "DSPARK" or None; drafts a step (None: the block size);
+    # fixed verification (every draft verified, even past max_new_tokens) and a simulated mean
+    # accept length, both for benchmarks
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_fixed_verify: bool = False
+    speculative_accept_length: float | None = None
 
     def __post_init__(self):
         model_dtype(self.dtype)   # (a bad name: ValueError)
@@ -74,6 +82,12 @@ class EngineConfig:
             raise ValueError("page_size must be even (a ratio-2 group must not straddle pages)")
         if min(self.max_running, self.max_len) <= 0:
             raise ValueError("max_running and max_len must be positive")
+        if self.speculative_algorithm not in (None, "DSPARK"):
+            raise ValueError(f"speculative_algorithm must be DSPARK or None, not {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be at least 1")
+        if self.speculative_accept_length is not None and self.speculative_accept_length < 1:
+            raise ValueError("speculative_accept_length counts the bonus token: at least 1")
         if self.prefill_budget is not None and self.prefill_budget <= self.max_running:
             raise ValueError(f"the chunked-prefill size ({self.prefill_budget}) must exceed max_running "
                              f"({self.max_running}): a step's decodes count against it")
@@ -97,12 +111,20 @@ class EngineConfig:
         return self.num_pages or self.max_running * -(-self.max_len // self.page_size)
 
 
+def _penalised(p: SamplingParams) -> bool:
+    """Whether ``p`` has penalties, which count earlier outputs: such a request decodes one token a
+    step (the verify rows of a speculative one would each need the counts of the drafts before them)."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 @dataclass
 class StepStats:
     steps: int = 0
     tokens: int = 0
     host_s: float = 0.0  # planning, padding and output processing
     wait_s: float = 0.0  # host blocked on device results
+    verifies: int = 0  # speculative verify steps, summed over requests
+    accepted: int = 0  # tokens they produced (accepted drafts and bonus tokens)
 
 
 class Engine:
@@ -117,6 +139,7 @@ class Engine:
         self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
         keep = {"approx": cfg.sliding_window, "exact": halo_rows(cfg), "off": None}[config.decoder_replay]
         self.buckets = Buckets.make(config.max_running, config.step_tokens, keep)
+        spec = self._spec_options(params, cfg, config)
         b = self.buckets
         self.kernel_paths = kernel_paths(params, cfg, b.decode + b.prefill + b.replay,
                                          config.kv_cache_dtype == "fp8_e4m3")
@@ -126,7 +149,7 @@ class Engine:
             log.info("%s: %s", op, path)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
-                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3")
+                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec)
         # Compile the smallest step now: its cost sizes the program budget, and a configuration
         # that cannot fit fails here, not at a later request (serve/programs.py).
         self.runner.programs.budget.cap(config.max_programs)
@@ -140,16 +163,34 @@ class Engine:
             n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
-                                   cfg.sliding_window, config.max_len, config.prefix_cache)
+                                   cfg.sliding_window, config.max_len, config.prefix_cache,
+                                   config.speculative_fixed_verify)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
         self.stats = StepStats()
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._pending: list[tuple[list[Chunk], Any]] = []  # dispatched steps not yet processed
+        self._pending: list[tuple[list[Chunk], tuple]] = []  # dispatched steps not yet processed
         self._lock = threading.RLock()  # step() lands in-flight work while holding it
         self.error: str | None = None  # set when the loop died; the server reports unhealthy
         self._max_token_chars: int | None = None
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _spec_options(params: dict, cfg: ModelConfig, config: EngineConfig) -> SpecOptions | None:
+        """DSpark's settings for the runner, checked against the model (ValueError saying why not)."""
+        if config.speculative_algorithm is None:
+            return None
+        if "mtp" not in params:
+            raise ValueError("--speculative-algorithm DSPARK needs the model's draft layers (the checkpoint's mtp.* "
+                             "tensors), which this model does not have")
+        n = config.speculative_num_draft_tokens or cfg.dspark_block_size
+        if n > cfg.dspark_block_size:
+            raise ValueError(f"speculative_num_draft_tokens ({n}) exceeds the draft's block size "
+                             f"({cfg.dspark_block_size})")
+        if config.step_tokens <= config.max_running * (1 + n):
+            raise ValueError(f"the chunked-prefill size ({config.step_tokens}) must exceed max_running x (1 + drafts) "
+                             f"({config.max_running * (1 + n)}): a step's verifies count against it")
+        return SpecOptions(n, config.speculative_accept_length)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig = EngineConfig(),
@@ -183,7 +224,8 @@ class Engine:
                 raise RequestError(f"request id {taken[0]!r} is already in use", "rid")
             for i, sub in enumerate(subs):
                 p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                req = Request(sub, ids, p, next(self._ids), group=rid, handle=handle if stream else None, index=i)
+                req = Request(sub, ids, p, next(self._ids), group=rid, handle=handle if stream else None, index=i,
+                              spec=self.runner.spec is not None and not _penalised(p))
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 if stream:
                     req.detok = Detokenizer(self.decode)
@@ -337,14 +379,14 @@ class Engine:
             self.stats.host_s += time.perf_counter() - t0
 
     def _finish_pending(self, t0: float) -> None:
-        chunks, out = self._pending.pop(0)
+        chunks, (out, rows) = self._pending.pop(0)
         self.stats.host_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        out = SampleOutput.unpacked(np.asarray(out))
+        out = np.asarray(out)
         t2 = time.perf_counter()
         self.stats.wait_s += t2 - t1
         with self._lock:
-            self._process(chunks, out)
+            self._process(chunks, out, rows)
         self.stats.host_s += time.perf_counter() - t2
 
     def run_until_idle(self) -> None:
@@ -359,49 +401,62 @@ class Engine:
         for req in [r for r in self.scheduler.waiting if r.finished]:
             self.scheduler.waiting.remove(req)
 
-    def _dispatch(self, chunks: list[Chunk]):
+    def _dispatch(self, chunks: list[Chunk]) -> tuple[Any, int]:
+        """Pad the chunks into a step and dispatch it: ``(its samples on the device, logit rows)``."""
+        for c in chunks:   # a draft the grammar refuses is never fed, nor those after it
+            if c.drafts and c.req.grammar is not None:
+                c.drafts = c.drafts[:len(self._masks(c.req, c.drafts)) - 1]
+                c.n = 1 + len(c.drafts)
         n_tok = sum(c.n for c in chunks)
-        has_prefill = any(c.n > 1 for c in chunks)
+        has_prefill = any(c.n > 1 + len(c.drafts) for c in chunks)   # a verify is a decode
         t = self.buckets.tokens(n_tok, has_prefill)
-        b, s = self.config.max_running, self.config.max_running
+        b, s = self.config.max_running, self.runner.logit_rows(t)
         tokens, seq_ids, pos = np.zeros(t, np.int32), np.full(t, -1, np.int32), np.zeros(t, np.int32)
         is_prompt, recount = np.zeros(t, bool), np.zeros(t, bool)
         rows, slots = np.zeros(s, np.int32), np.full(s, -1, np.int32)
         n_hist = self.runner.state.model.engram_hist.shape[1]
         reset = SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
                           np.full((b, n_hist), DEAD, np.int32))
+        spec = None if self.runner.spec is None else SpecInput(np.full(b, -1, np.int32), np.zeros(b, np.int32),
+                                                               np.zeros(b, np.int32))
         ban = None  # [S, V] bool, made only when some row bans a token (a 4 MB host copy a step)
         sampled, steps = [], []
-        row = 0
+        row, n_spec = 0, 0
         for c in chunks:
             req, slot = c.req, c.req.slot
-            ids = req.ids
-            known = ids[c.start:c.start + c.n]
+            known = req.ids[c.start:c.start + c.n - len(c.drafts)]
+            fed = c.tokens
             tokens[row:row + len(known)] = known
-            tokens[row + len(known):row + c.n] = -(slot + 1)  # the previous sample, still on the device
-            seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)
-            fed = np.arange(c.start, c.start + c.n)
-            is_prompt[row:row + c.n] = fed < len(req.prompt)
-            recount[row:row + c.n] = (fed >= len(req.prompt)) & (fed < req.recount_upto)
+            tokens[row + len(known):row + c.n] = fed[len(known):] if c.drafts else -(slot + 1)  # else: the
+            seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)  # device's sample
+            at = np.arange(c.start, c.start + c.n)
+            is_prompt[row:row + c.n] = at < len(req.prompt)
+            recount[row:row + c.n] = (at >= len(req.prompt)) & (at < req.recount_upto)
             self.page_table[slot, :len(req.pages)] = req.pages
             if c.fresh:  # a prefix hit restarts `window` tokens before its end (encoder replay)
                 reset.mask[slot], reset.seq_len[slot], reset.window_floor[slot] = True, c.start, c.start
                 reset.cached_len[slot] = req.shared_pages * self.config.page_size
                 if self._cmap is not None and n_hist:
-                    back = [int(self._cmap[x]) for x in ids[max(0, c.start - n_hist):c.start]]
+                    back = [int(self._cmap[x]) for x in req.ids[max(0, c.start - n_hist):c.start]]
                     reset.engram_hist[slot, n_hist - len(back):] = back
             if c.samples:
-                k = len(sampled)
-                rows[k], slots[k] = row + c.n - 1, slot
-                banned = min_tokens_banned(req.params, c.start + c.n - len(req.prompt), self.eos_ids)  # by position
-                allowed = None if req.grammar is None else req.grammar.allowed(self.cfg.vocab_size)
-                if banned or allowed is not None:
-                    ban = np.zeros((s, self.cfg.vocab_size), bool) if ban is None else ban
-                    ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
-                if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
-                    ban[k] = ~allowed if (ban[k] | ~allowed).all() else ban[k] | ~allowed
-                sampled.append(req)
-                steps.append(c.start + c.n)  # the sampled token's position
+                if req.spec:
+                    spec.slot[n_spec], spec.first[n_spec], spec.count[n_spec] = slot, len(sampled), 1 + len(c.drafts)
+                    n_spec += 1
+                masks = self._masks(req, c.drafts)
+                for j in range(1 + len(c.drafts)):   # the last token's row, then each draft's
+                    k = len(sampled)
+                    rows[k], slots[k] = row + c.n - 1 - len(c.drafts) + j, slot
+                    at_pos = c.start + c.n - len(c.drafts) + j   # the sampled token's position
+                    banned = min_tokens_banned(req.params, at_pos - len(req.prompt), self.eos_ids)
+                    allowed = masks[j] if masks else None
+                    if banned or allowed is not None:
+                        ban = np.zeros((s, self.cfg.vocab_size), bool) if ban is None else ban
+                        ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
+                    if allowed is not None:  # a finished grammar may allow only EOS: it wins over min_new_tokens
+                        ban[k] = ~allowed if (ban[k] | ~allowed).all() else ban[k] | ~allowed
+                    sampled.append(req)
+                    steps.append(at_pos)
             row += c.n
             req.computed = c.start + c.n
             req.inflight += 1
@@ -411,35 +466,68 @@ class Engine:
             replay = self.buckets.replay_rows(keep)
         samp = SamplingArrays.build([r.params for r in sampled], steps, s, [r.rid for r in sampled])
         if ban is None:
-            ban = self.runner.no_ban
+            ban = self.runner.no_ban(s)
         inp = StepInput(Batch(tokens, seq_ids, pos), is_prompt, recount, rows, slots, samp, ban, self.page_table.copy(),
-                        reset)
+                        reset, spec)
         self.stats.steps += 1
         self.stats.tokens += n_tok
-        return self.runner.step(inp, replay)
+        return self.runner.step(inp, replay), s
 
-    def _process(self, chunks: list[Chunk], out) -> None:
-        tokens, logprobs, top_ids, top_lps = out
-        k = 0
+    def _masks(self, req: Request, drafts: tuple[int, ...]) -> list | None:
+        """The grammar's allowed tokens at each row of a decode: after the last token, then after
+        each draft (a copy of the matcher walks them; None: no constraint). A draft the grammar
+        refuses ends the list."""
+        if req.grammar is None:
+            return None
+        v = self.cfg.vocab_size
+        masks = [req.grammar.allowed(v)]
+        if drafts:
+            walk = req.grammar.copy()
+            for d in drafts:
+                if masks[-1] is not None and not masks[-1][d]:
+                    break
+                walk.consume(d)
+                masks.append(walk.allowed(v))
+        return masks
+
+    def _process(self, chunks: list[Chunk], out: np.ndarray, s: int) -> None:
+        """Take a step's samples (its first ``s`` rows; then, with speculation, a row per
+        speculative request: its accepted count and next drafts)."""
+        tokens, logprobs, top_ids, top_lps = SampleOutput.unpacked(out[:s])
+        spec_rows = out[s:]
+        k, n_spec = 0, 0
         for c in chunks:
             req = c.req
             req.inflight -= 1
             if not c.samples:
                 continue
-            i, k = k, k + 1
-            if req.finished:
-                continue  # a step dispatched before the host saw the stop
-            tok = int(tokens[i])
-            req.output.append(tok)
-            if req.grammar is not None:
-                req.grammar.consume(tok)
-            if req.params.logprobs:
-                req.token_logprobs.append(float(logprobs[i]))
-                n = req.params.top_logprobs
-                req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
-            if req.detok is None and req.params.stop:
-                req.detok = Detokenizer(self.decode)
-            req.check_stop(tok, self.eos_ids, req.detok)
+            first, k = k, k + 1 + len(c.drafts)
+            take = 1
+            if req.spec:
+                drafts = spec_rows[n_spec, 1:1 + self.runner.spec.num_drafts]
+                accepted, req.drafts = int(spec_rows[n_spec, 0]), [int(x) for x in drafts]
+                n_spec += 1
+                take = 1 + accepted
+                if c.drafts:
+                    req.verify_ct += 1
+                    req.computed = c.start + c.n - len(c.drafts) + accepted   # the rejected rows roll back
+                    self.stats.verifies += 1
+                    self.stats.accepted += take
+            for j in range(take):
+                if req.finished:
+                    break  # a step dispatched before the host saw the stop, or a stop inside the block
+                i = first + j
+                tok = int(tokens[i]) if j == take - 1 or not c.drafts else c.drafts[j]
+                req.output.append(tok)
+                if req.grammar is not None:
+                    req.grammar.consume(tok)
+                if req.params.logprobs:
+                    req.token_logprobs.append(float(logprobs[i]))
+                    n = req.params.top_logprobs
+                    req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
+                if req.detok is None and req.params.stop:
+                    req.detok = Detokenizer(self.decode)
+                req.check_stop(tok, self.eos_ids, req.detok)
             self._notify(req)
 
     # ------------------------------------------------------------------ public APIs

@@ -38,6 +38,9 @@ class Request:
     notified_text: int = 0  # characters of stable text handed to its stream so far
     handle: Any = None  # serve.handle.Handle its deltas go to (a streamed request), or None
     index: int = 0  # which of its handle's samples it is
+    spec: bool = False  # decodes speculatively (DSpark; serve/speculative.py)
+    drafts: list[int] = field(default_factory=list)  # the tokens proposed to follow its last one
+    verify_ct: int = 0  # verify steps it took
 
     @property
     def ids(self) -> list[int]:

@@ -31,10 +31,12 @@ import numpy as np
 from mega import backend
 from model.batch import Batch
 from model.config import ModelConfig
+from model.dspark import write_context
 from model.forward import Cut, forward, forward_trunk, forward_tail
 from model.state import ModelState, init_state, state_dtype
 from serve.programs import ProgramCache, shared_programs
 from serve.sampling import SampleOutput, SamplingArrays, sample
+from serve.speculative import SpecInput, speculate
 
 
 def _dense(lo: int, hi: int, step: int) -> tuple[int, ...]:
@@ -127,6 +129,14 @@ class StepInput(NamedTuple):
     ban: jnp.ndarray  # bool [S, V]
     page_table: jnp.ndarray  # int32 [B, P]
     reset: SlotReset
+    spec: SpecInput | None = None  # speculative requests (serve/speculative.py), with DSpark on
+
+
+class SpecOptions(NamedTuple):
+    """A runner's speculative decoding (static in its programs)."""
+
+    num_drafts: int  # drafts proposed and verified a step
+    simulate: float | None = None  # benchmark: a simulated mean accept length instead of the real one
 
 
 class DeviceState(NamedTuple):
@@ -178,6 +188,21 @@ class Handoff(NamedTuple):
     rows: jnp.ndarray  # int32 [S]: the sampled rows among the cut's
     slots: jnp.ndarray  # int32 [S]: their slots (-1: padding)
     sampling: SamplingArrays
+    verify: "Verify | None" = None
+
+
+class Verify(NamedTuple):
+    """What speculation needs of a step besides its samples (serve/speculative.py)."""
+
+    spec: SpecInput
+    fed: jnp.ndarray  # int32 [S]: the token fed at each logit row
+    positions: jnp.ndarray  # int32 [S]: its position
+    old_hist: jnp.ndarray  # int32 [B, n-1]: the Engram look-back before the step
+
+    @classmethod
+    def of(cls, inp: StepInput, batch: Batch, state: "DeviceState") -> "Verify":
+        return cls(inp.spec, batch.tokens[inp.logit_rows], batch.positions[inp.logit_rows],
+                   state.model.engram_hist)
 
 
 class Signature:
@@ -188,12 +213,12 @@ class Signature:
         self.parts, self._hash = parts, hash(parts)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, num_top: int, *trees) -> "Signature":
+    def of(cls, cfg: ModelConfig, num_top: int, *trees, spec: "SpecOptions | None" = None) -> "Signature":
         def avals(tree):
             leaves, treedef = jax.tree.flatten(tree)
             return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
-        return cls(backend.mode(), cfg, num_top, *map(avals, trees))
+        return cls(backend.mode(), cfg, num_top, spec, *map(avals, trees))
 
     def __hash__(self) -> int:
         return self._hash
@@ -231,40 +256,64 @@ def _sample(state: DeviceState, logits, slots_in, sampling: SamplingArrays, ban,
     return state._replace(counts=counts, last_token=last), out.packed()
 
 
+def _finish(params, state: DeviceState, out, slots, sampling, ban, engram_map, verify: Verify | None, *,
+            cfg: ModelConfig, num_top: int, spec: SpecOptions | None):
+    """Sample the step's logit rows; with speculation, write the draft's context, accept, roll
+    back and propose (``out``: the forward's logits, state and taps). The packed samples, then
+    with speculation one row a speculative request: its accepted count and next drafts."""
+    if spec is None:
+        logits, m = out
+        return _sample(state._replace(model=m), logits, slots, sampling, ban, num_top)
+    logits, m, taps = out
+    m = m.replace(draft_window=write_context(params["mtp"], cfg, m.draft_window, taps.aux, taps.info))
+    state, packed = _sample(state._replace(model=m), logits, slots, sampling, ban, num_top)
+    m, bonus, rows = speculate(params, cfg, state.model, verify.old_hist, verify.fed, verify.positions, packed[:, 0],
+                               verify.spec, sampling, engram_map, spec.num_drafts, spec.simulate)
+    live = jnp.where(verify.spec.slot >= 0, verify.spec.slot, m.batch_size)
+    state = state._replace(model=m, last_token=state.last_token.at[live].set(bonus, mode="drop"))
+    rows = jnp.pad(rows, ((0, 0), (0, packed.shape[1] - rows.shape[1])))
+    return state, jnp.concatenate([packed, rows])
+
+
 def plain_step(params, state: DeviceState, buffer: jax.Array, ban: jax.Array, engram_map, *, layout: tuple,
-               cfg: ModelConfig, num_top: int):
+               cfg: ModelConfig, num_top: int, spec: SpecOptions | None = None):
     """A whole step on a ``pack_input`` buffer: ``(state, packed samples)``."""
     inp = unpack_input(buffer, ban, layout)
     state, batch = _admit(state, inp)
-    logits, m = forward(params, cfg, state.model, batch, engram_map, logit_rows=inp.logit_rows)
-    return _sample(state._replace(model=m), logits, inp.logit_slots, inp.sampling, inp.ban, num_top)
+    verify = None if spec is None else Verify.of(inp, batch, state)
+    out = forward(params, cfg, state.model, batch, engram_map, logit_rows=inp.logit_rows, taps=spec is not None)
+    return _finish(params, state, out, inp.logit_slots, inp.sampling, inp.ban, engram_map, verify, cfg=cfg,
+                   num_top=num_top, spec=spec)
 
 
 def trunk_step(params, state: DeviceState, buffer: jax.Array, engram_map, *, layout: tuple, cfg: ModelConfig,
-               keep: int, rows: int):
+               keep: int, rows: int, spec: SpecOptions | None = None):
     """A replay step's trunk (the module docstring): ``(state, Handoff)`` of ``rows`` kept rows."""
     inp = unpack_input(buffer, None, layout)
     state, batch = _admit(state, inp)
-    cut, m = forward_trunk(params, cfg, state.model, batch, engram_map, keep, rows)
-    return state._replace(model=m), Handoff(cut, cut.rows_of(inp.logit_rows), inp.logit_slots, inp.sampling)
+    verify = None if spec is None else Verify.of(inp, batch, state)
+    cut, m = forward_trunk(params, cfg, state.model, batch, engram_map, keep, rows, taps=spec is not None)
+    return state._replace(model=m), Handoff(cut, cut.rows_of(inp.logit_rows), inp.logit_slots, inp.sampling, verify)
 
 
-def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, *, cfg: ModelConfig, num_top: int,
-              rows: int):
+def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, engram_map, *, cfg: ModelConfig,
+              num_top: int, rows: int, spec: SpecOptions | None = None):
     """A replay step's tail on the first ``rows`` rows of its cut: ``(state, packed samples)``."""
-    logits, m = forward_tail(params, cfg, state.model, handoff.cut.take(rows), handoff.rows)
-    return _sample(state._replace(model=m), logits, handoff.slots, handoff.sampling, ban, num_top)
+    out = forward_tail(params, cfg, state.model, handoff.cut.take(rows), handoff.rows)
+    return _finish(params, state, out, handoff.slots, handoff.sampling, ban, engram_map, handoff.verify, cfg=cfg,
+                   num_top=num_top, spec=spec)
 
 
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
-                 window_fp8: bool = False, programs: ProgramCache | None = None):
+                 window_fp8: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None):
         self.params, self.cfg, self.engram_map = params, cfg, engram_map
-        self.buckets, self.replay_keep, self.num_top = buckets, replay_keep, num_top
+        self.buckets, self.replay_keep, self.num_top, self.spec = buckets, replay_keep, num_top, spec
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
-        model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8)
+        model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8,
+                           spec_tokens=0 if spec is None else spec.num_drafts)
         # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
         model = model.replace(
             comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)
@@ -274,10 +323,10 @@ class ModelRunner:
         v = cfg.vocab_size
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
-        self.no_ban = jnp.zeros((max_running, v), bool)  # the usual step's ban: on the device once
+        self._no_ban: dict[int, jax.Array] = {}
         self.programs = programs or shared_programs()
         self.handoff_rows = buckets.replay[-1] if buckets.replay else 0
-        self.signature = Signature.of(cfg, num_top, params, self.state, engram_map)
+        self.signature = Signature.of(cfg, num_top, params, self.state, engram_map, spec=spec)
         self._compiles_at_start = self.programs.compiles
 
     def _ratios(self) -> list[int]:
@@ -291,28 +340,45 @@ class ModelRunner:
         if replay_rows is None:
             self.state, out = run(("step", sig, layout), plain_step,
                                   (self.params, self.state, buffer, ban, self.engram_map),
-                                  dict(layout=layout, cfg=cfg, num_top=self.num_top), donate=(1,))
+                                  dict(layout=layout, cfg=cfg, num_top=self.num_top, spec=self.spec), donate=(1,))
             return out
         h = self.handoff_rows
         self.state, handoff = run(("trunk", sig, layout, self.replay_keep, h), trunk_step,
                                   (self.params, self.state, buffer, self.engram_map),
-                                  dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h), donate=(1,))
-        self.state, out = run(("tail", sig, h, replay_rows), tail_step, (self.params, self.state, handoff, ban),
-                              dict(cfg=cfg, num_top=self.num_top, rows=replay_rows), donate=(1,))
+                                  dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h, spec=self.spec),
+                                  donate=(1,))
+        self.state, out = run(("tail", sig, h, replay_rows), tail_step,
+                              (self.params, self.state, handoff, ban, self.engram_map),
+                              dict(cfg=cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
         return out
 
     @property
     def compile_count(self) -> int:
         """Programs compiled since this runner was built (by any runner: they share the cache)."""
         return self.programs.compiles - self._compiles_at_start
+    def logit_rows(self, tokens: int) -> int:
+        """Logit rows a step of ``tokens`` tokens samples: a row a request, or with speculation
+        one per token it verifies (at most the step's tokens)."""
+        if self.spec is None:
+            return self.max_running
+        return min(tokens, self.max_running * (1 + self.spec.num_drafts))
+
+    def no_ban(self, rows: int) -> jax.Array:
+        """The usual step's ban for ``rows`` logit rows: nothing banned, on the device once."""
+        if rows not in self._no_ban:
+            self._no_ban[rows] = jnp.zeros((rows, self.cfg.vocab_size), bool)
+        return self._no_ban[rows]
+
     def empty_input(self, tokens: int) -> StepInput:
         """An all-padding input of ``tokens`` rows (warm-up)."""
-        s = b = self.max_running
+        b, s = self.max_running, self.logit_rows(tokens)
         n_hist = self.state.model.engram_hist.shape[1]
+        spec = None if self.spec is None else SpecInput(np.full(b, -1, np.int32), np.zeros(b, np.int32),
+                                                        np.zeros(b, np.int32))
         return StepInput(
             Batch(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), np.zeros(tokens, np.int32)),
             np.zeros(tokens, bool), np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
-            SamplingArrays.build([], [], s), self.no_ban,
+            SamplingArrays.build([], [], s), self.no_ban(s),
             np.asarray(self.state.model.page_table),
             SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
-                      np.zeros((b, n_hist), np.int32)))
+                      np.zeros((b, n_hist), np.int32)), spec)

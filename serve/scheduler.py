@@ -2,7 +2,8 @@
 
 Each step the scheduler plans a ragged batch:
 
-1. every running request past its prefill decodes one token;
+1. every running request past its prefill decodes one token (a speculative one: its last
+   token and the drafts proposed after it, one step in flight at most);
 2. requests in the middle of a prefill continue, then waiting requests are admitted while
    slots, the per-step token budget (decodes included) and pages allow (chunked prefill), in a
    fair share between client requests: the next is the waiting one whose client request (its
@@ -55,13 +56,20 @@ class Chunk:
     n: int  # tokens fed
     samples: bool  # the chunk reaches the request's last known token: sample the next one
     fresh: bool  # the request was admitted in this step (its slot fields must be reset)
+    drafts: tuple[int, ...] = ()  # a speculative decode's drafts, fed after its last token
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids it feeds."""
+        return self.req.ids[self.start:self.start + self.n - len(self.drafts)] + list(self.drafts)
 
 
 class Scheduler:
     def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,
-                 max_len: int, prefix_cache: bool):
+                 max_len: int, prefix_cache: bool, fixed_verify: bool = False):
         self.page_size, self.window, self.max_len = page_size, window, max_len
         self.prefill_budget, self.max_running = prefill_budget, max_running
+        self.fixed_verify = fixed_verify  # verify every draft, even past max_new_tokens (benchmarks)
         self.pool = PagePool(num_pages)
         self.radix = RadixCache(page_size) if prefix_cache else None
         self.free_slots = list(range(max_running - 1, -1, -1))
@@ -125,7 +133,7 @@ class Scheduler:
 
     def retract(self, req: Request) -> None:
         self.release(req, cache=False)
-        req.computed, req.cached_tokens = 0, 0
+        req.computed, req.cached_tokens, req.drafts = 0, 0, []
         self.retractions += 1
         self.waiting.appendleft(req)
 
@@ -159,12 +167,13 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if req.finished or req.prefilling:
                 continue
-            if req.grammar is not None and req.inflight:
-                continue  # its next mask needs the sample still in flight
-            if not self._reserve(req, req.computed + 1):
+            if (req.grammar is not None or req.spec) and req.inflight:
+                continue  # its next mask, or its next drafts, need the step still in flight
+            drafts = self._drafts(req)
+            if not self._reserve(req, req.computed + 1 + len(drafts)):
                 return None
-            chunks.append(Chunk(req, req.computed, 1, True, False))
-        budget = self.prefill_budget - len(chunks)  # the step's decodes count (its token bucket)
+            chunks.append(Chunk(req, req.computed, 1 + len(drafts), True, False, drafts))
+        budget = self.prefill_budget - sum(c.n for c in chunks)  # the step's decodes count (its token bucket)
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if budget <= 0:
                 break
@@ -193,6 +202,14 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.n
         return chunks
+
+    def _drafts(self, req: Request) -> tuple[int, ...]:
+        """The drafts a speculative decode verifies: all, but none past the context length and,
+        unless verification is fixed, none that could only follow the last token allowed."""
+        room = self.max_len - req.computed - 1
+        if not self.fixed_verify:
+            room = min(room, req.params.max_new_tokens - len(req.output) - 1)
+        return tuple(req.drafts[:max(room, 0)])
 
     def _next_waiting(self) -> Request | None:
         """The fair share's next admission (module docstring, step 2), or None."""
