@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             from serve.default_model import NAME, default_config, default_params
 
             cfg = default_config()
-            engine = Engine(default_params(cfg), cfg, config)
+            engine = Engine(default_params(cfg, draft=config.speculative_algorithm is not None), cfg, config)
             name = args.served_model_name or NAME
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

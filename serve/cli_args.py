@@ -3,7 +3,7 @@
 Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-path``,
 ``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
-``--kv-cache-dtype``, ``--quantization``); the names megajax's CLIs had before stay as aliases.
+``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -39,6 +39,16 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
                    help="wait for each step before planning the next")
     g.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx",
                    help="prefix hits replay the sliding window's tokens (approx: the window, exact: the halo)")
+    sp = ap.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-algorithm", choices=["DSPARK"],
+                    help="DSPARK: the model's block draft (its mtp.* layers) proposes, the model verifies")
+    sp.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
+                    help="drafts verified a step (default: the draft's block size, dspark_block_size)")
+    sp.add_argument("--speculative-fixed-verify", action="store_true",
+                    help="benchmarks: verify every draft each step, even past max_new_tokens")
+    sp.add_argument("--speculative-accept-length", type=float, metavar="X",
+                    help="benchmarks: simulate X tokens accepted a verify step (bonus included) instead of "
+                         "checking the drafts; the output is then not the model's")
     m = ap.add_argument_group("memory")
     m.add_argument("--page-size", type=int, metavar="N", default=64, help="tokens a KV page holds")
     m.add_argument("--max-total-tokens", type=int,
@@ -63,4 +73,8 @@ def engine_config(args: argparse.Namespace):
                         num_pages=pages, prefill_budget=args.chunked_prefill_size,
                         decoder_replay=args.decoder_replay, overlap=not args.disable_overlap,
                         prefix_cache=not args.disable_radix_cache, kv_cache_dtype=args.kv_cache_dtype,
-                        quantization=args.quantization, max_programs=args.max_compiled_programs, dtype=args.dtype)
+                        quantization=args.quantization, max_programs=args.max_compiled_programs, dtype=args.dtype,
+                        speculative_algorithm=args.speculative_algorithm,
+                        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                        speculative_fixed_verify=args.speculative_fixed_verify,
+                        speculative_accept_length=args.speculative_accept_length)

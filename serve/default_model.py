@@ -28,7 +28,8 @@ def default_config() -> ModelConfig:
     })
 
 
-def default_params(cfg: ModelConfig):
+def default_params(cfg: ModelConfig, draft: bool = False):
+    """Its weights (``draft``: with the DSpark draft layers, for ``--speculative-algorithm``)."""
     from checkpoints.init import init_params
 
-    return init_params(cfg, seed=SEED)
+    return init_params(cfg, seed=SEED, draft=draft)

@@ -311,9 +311,12 @@ class Engine:
         with self._lock:
             s = self.scheduler
             radix = s.radix
-            return {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
-                    "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
-                    "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
+            out = {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
+                   "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
+                   "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
+            if self.runner.spec is not None:   # tokens a verify step yields, the bonus included
+                out["spec_accept_length"] = self.stats.accepted / max(self.stats.verifies, 1)
+            return out
 
     def flush_cache(self) -> str | None:
         """Drop the prefix cache; why it cannot be dropped now (requests in flight), or None."""
@@ -557,6 +560,8 @@ class Engine:
             text = self.decode(req.output[:-1] if hidden else req.output)
         out = {"output_ids": list(req.output), "text": text, "finish_reason": req.finish_reason,
                "matched_stop": req.matched_stop, "usage": req.usage()}
+        if req.spec:
+            out["spec_verify_ct"] = req.verify_ct
         if req.params.logprobs:
             out["token_logprobs"], out["top_logprobs"] = req.token_logprobs, req.top_logprobs
         return out
@@ -576,6 +581,8 @@ class Engine:
             delta["top_logprobs"] = req.top_logprobs[req.notified:]
         if finished:
             delta["usage"] = req.usage()
+            if req.spec:
+                delta["spec_verify_ct"] = req.verify_ct
         req.notified, req.notified_text = n, max(req.notified_text, stable)
         req.handle.put(req.index, delta)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import threading
 
+_ACCEPT_BUCKETS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, float("inf"))
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
 
@@ -39,10 +40,14 @@ class Metrics:
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token")
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Time between streamed tokens")
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency")
+        self.accept = Histogram("sglang:spec_accept_length_per_request",
+                                "Tokens a speculative verify step yielded, per request", _ACCEPT_BUCKETS)
         self._lock = threading.Lock()
 
-    def finished(self, usage: dict, e2e: float) -> None:
+    def finished(self, usage: dict, e2e: float, verify_ct: int | None = None) -> None:
         with self._lock:
+            if verify_ct:
+                self.accept.observe(usage["completion_tokens"] / verify_ct)
             self.counters["prompt_tokens_total"] += usage["prompt_tokens"]
             self.counters["generation_tokens_total"] += usage["completion_tokens"]
             self.counters["cached_tokens_total"] += usage["prompt_tokens_details"]["cached_tokens"]
@@ -55,7 +60,7 @@ class Metrics:
             for name, value in self.counters.items():
                 lines += [f"# HELP sglang:{name} {self.COUNTERS[name]}", f"# TYPE sglang:{name} counter",
                           f"sglang:{name}{{{self.labels}}} {value}"]
-            for h in (self.ttft, self.itl, self.e2e):
+            for h in (self.ttft, self.itl, self.e2e, self.accept):
                 lines += h.render(self.labels)
         for name, value in gauges.items():
             lines += [f"# TYPE sglang:{name} gauge", f'sglang:{name}{{{self.labels},dp="0"}} {value}']

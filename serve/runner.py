@@ -347,7 +347,7 @@ class ModelRunner:
                                   (self.params, self.state, buffer, self.engram_map),
                                   dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h, spec=self.spec),
                                   donate=(1,))
-        self.state, out = run(("tail", sig, h, replay_rows), tail_step,
+        self.state, out = run(("tail", sig, h, replay_rows, handoff.rows.shape[0]), tail_step,
                               (self.params, self.state, handoff, ban, self.engram_map),
                               dict(cfg=cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
         return out

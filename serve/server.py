@@ -211,7 +211,7 @@ class Server:
                 (m.ttft.observe(now - start) if i not in last else m.itl.observe(now - last[i]))
                 last[i] = now
             if delta["finish_reason"] is not None:
-                m.finished(delta["usage"], now - start)
+                m.finished(delta["usage"], now - start, delta.get("spec_verify_ct"))
             yield i, delta
 
     async def _sse(self, request: web.Request) -> web.StreamResponse:
@@ -397,6 +397,7 @@ class Server:
             a["lps"] += d.get("token_logprobs", [])
             a["top"] += d.get("top_logprobs", [])
             a["finish"], a["matched"], a["usage"] = d["finish_reason"], d["matched_stop"], d.get("usage")
+            a["verify_ct"] = d.get("spec_verify_ct")
             if resp is not None:
                 await _send(resp, {**self._native(rid, ids, a, params, start), "index": i})
         if resp is not None:
@@ -412,6 +413,9 @@ class Server:
                 "prompt_tokens": usage["prompt_tokens"], "completion_tokens": len(a["output_ids"]),
                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                 "e2e_latency": time.perf_counter() - start}
+        if a.get("verify_ct") is not None:   # DSpark: verify steps, and the tokens each yielded
+            meta["spec_verify_ct"] = a["verify_ct"]
+            meta["spec_accept_length"] = len(a["output_ids"]) / max(a["verify_ct"], 1)
         if params.logprobs:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(a["lps"], a["output_ids"])]
             meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top] for top in a["top"]]

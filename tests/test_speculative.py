@@ -46,8 +46,8 @@ def _outputs(results):
     return [[c["output_ids"] for c in r["choices"]] if "choices" in r else r["output_ids"] for r in results]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(decoder_replay="exact", overlap=False), dict(num_pages=12)],
-                         ids=["approx-replay-overlap", "exact-replay", "retraction"])
+@pytest.mark.parametrize("kw", [dict(), dict(decoder_replay="exact", overlap=False, num_pages=12)],
+                         ids=["approx-replay-overlap", "exact-replay-retraction"])
 def test_greedy_outputs_equal_without_dspark(model, kw):
     cfg = model[0]
     prompts = _prompts(cfg, 1, [5, 40, 17, 70, 9, 33])
