@@ -406,10 +406,13 @@ class Engine:
 
     def _dispatch(self, chunks: list[Chunk]) -> tuple[Any, int]:
         """Pad the chunks into a step and dispatch it: ``(its samples on the device, logit rows)``."""
-        for c in chunks:   # a draft the grammar refuses is never fed, nor those after it
-            if c.drafts and c.req.grammar is not None:
-                c.drafts = c.drafts[:len(self._masks(c.req, c.drafts)) - 1]
-                c.n = 1 + len(c.drafts)
+        masks = {}   # chunk -> the grammar's mask at each of its sampled rows
+        for c in chunks:
+            if c.samples and c.req.grammar is not None:
+                masks[id(c)] = self._masks(c.req, c.drafts)
+                if c.drafts:   # a draft the grammar refuses is never fed, nor those after it
+                    c.drafts = c.drafts[:len(masks[id(c)]) - 1]
+                    c.n = 1 + len(c.drafts)
         n_tok = sum(c.n for c in chunks)
         has_prefill = any(c.n > 1 + len(c.drafts) for c in chunks)   # a verify is a decode
         t = self.buckets.tokens(n_tok, has_prefill)
@@ -428,10 +431,10 @@ class Engine:
         for c in chunks:
             req, slot = c.req, c.req.slot
             known = req.ids[c.start:c.start + c.n - len(c.drafts)]
-            fed = c.tokens
             tokens[row:row + len(known)] = known
-            tokens[row + len(known):row + c.n] = fed[len(known):] if c.drafts else -(slot + 1)  # else: the
-            seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)  # device's sample
+            # after them: the drafts, or the previous sample, still on the device
+            tokens[row + len(known):row + c.n] = c.drafts if c.drafts else -(slot + 1)
+            seq_ids[row:row + c.n], pos[row:row + c.n] = slot, np.arange(c.start, c.start + c.n)
             at = np.arange(c.start, c.start + c.n)
             is_prompt[row:row + c.n] = at < len(req.prompt)
             recount[row:row + c.n] = (at >= len(req.prompt)) & (at < req.recount_upto)
@@ -446,13 +449,13 @@ class Engine:
                 if req.spec:
                     spec.slot[n_spec], spec.first[n_spec], spec.count[n_spec] = slot, len(sampled), 1 + len(c.drafts)
                     n_spec += 1
-                masks = self._masks(req, c.drafts)
+                rows_masks = masks.get(id(c))
                 for j in range(1 + len(c.drafts)):   # the last token's row, then each draft's
                     k = len(sampled)
                     rows[k], slots[k] = row + c.n - 1 - len(c.drafts) + j, slot
                     at_pos = c.start + c.n - len(c.drafts) + j   # the sampled token's position
                     banned = min_tokens_banned(req.params, at_pos - len(req.prompt), self.eos_ids)
-                    allowed = masks[j] if masks else None
+                    allowed = None if rows_masks is None else rows_masks[j]
                     if banned or allowed is not None:
                         ban = np.zeros((s, self.cfg.vocab_size), bool) if ban is None else ban
                         ban[k, [x for x in banned if x < self.cfg.vocab_size]] = True
@@ -476,12 +479,10 @@ class Engine:
         self.stats.tokens += n_tok
         return self.runner.step(inp, replay), s
 
-    def _masks(self, req: Request, drafts: tuple[int, ...]) -> list | None:
-        """The grammar's allowed tokens at each row of a decode: after the last token, then after
-        each draft (a copy of the matcher walks them; None: no constraint). A draft the grammar
+    def _masks(self, req: Request, drafts: tuple[int, ...]) -> list:
+        """The grammar's allowed tokens at each sampled row: after the last token, then after each
+        draft (a copy of the matcher walks them; None: not active yet). A draft the grammar
         refuses ends the list."""
-        if req.grammar is None:
-            return None
         v = self.cfg.vocab_size
         masks = [req.grammar.allowed(v)]
         if drafts:

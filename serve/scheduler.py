@@ -58,11 +58,6 @@ class Chunk:
     fresh: bool  # the request was admitted in this step (its slot fields must be reset)
     drafts: tuple[int, ...] = ()  # a speculative decode's drafts, fed after its last token
 
-    @property
-    def tokens(self) -> list[int]:
-        """The token ids it feeds."""
-        return self.req.ids[self.start:self.start + self.n - len(self.drafts)] + list(self.drafts)
-
 
 class Scheduler:
     def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,

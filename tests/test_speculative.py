@@ -150,3 +150,23 @@ def test_sampled_token_frequencies_match_and_a_planted_bug_fails(model, monkeypa
     stat, bins = _chi_square(plain, buggy)
     print(f"\nchi-square of the planted bug: {stat:.0f} over {bins} bins (threshold {bins + 4 * np.sqrt(2 * bins):.0f})")
     assert stat > bins + 4 * np.sqrt(2 * bins), (stat, bins)
+
+
+def test_grammar_checks_drafts_before_they_are_fed():
+    """A regex-constrained request on the default model (the real vocabulary the grammar needs):
+    drafts the grammar refuses are dropped before the verify, and the output is the plain one."""
+    import re
+
+    from serve.default_model import default_config, default_params
+
+    cfg = default_config()
+    params = default_params(cfg, draft=True)
+    base = dict(max_running=2, max_len=96, page_size=16, prefill_budget=64, decoder_replay="off")
+    job = {"max_new_tokens": 10, "temperature": 0, "regex": "[a-z]{3,12}"}
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    plain = Engine(params, cfg, EngineConfig(**base)).generate(prompts, job)
+    engine = Engine(params, cfg, EngineConfig(**base, **DSPARK))
+    spec = engine.generate(prompts, job)
+    assert [r["output_ids"] for r in spec] == [r["output_ids"] for r in plain]
+    assert all(re.fullmatch("[a-z]{3,12}", r["text"]) for r in spec), [r["text"] for r in spec]
+    assert engine.stats.verifies > 0
