@@ -1,0 +1,118 @@
+"""DSpark decode steps on the GPU: the engine with and without speculative decoding.
+
+Model: ``bench/engine_gpu.py``'s V4.1-Flash-width slice (4 layers, 16 routed experts) with its
+DSpark draft (one draft layer at these widths, 16 experts, top-3), random bf16 weights,
+written as a checkpoint and loaded through ``Engine.from_model_dir`` as ``python -m serve
+--model DIR --speculative-algorithm DSPARK`` loads it. Per batch size B: B prompts of 128
+tokens, greedy, ``ignore_eos``; a 1-token pass (the prefill) and a 49-token pass, each run
+once to compile and then timed; a step's time is (decode pass - prefill pass) / its steps.
+
+* ``plain``: one token a request a step;
+* ``dspark``: 3 drafts a step, fixed verification of the whole block, and the seed's accept
+  length of 3.25 tokens a step simulated (random weights accept almost nothing), so the
+  timed steps are what a trained draft's would be: a verify of 4 rows a request plus the draft.
+
+Roofline beside each: the step's weight bytes (the checkpoint's size, read once a step) at
+the device's bandwidth; the decode of this slice is bound by them.
+
+    PYTHONUNBUFFERED=1 python3 bench/dspark_gpu.py --batches 8,32,128   # H200: $OUT/dspark_gpu.json
+    python3 bench/dspark_gpu.py --smoke                                 # CPU: toy widths
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_gpu import config  # noqa: E402
+from gpu_common import ceilings, run_info, write  # noqa: E402
+
+CKPT = Path(os.environ.get("MEGAJAX_BENCH_CKPT", "/tmp/megajax_dspark_gpu"))
+NEW_TOKENS = 49
+
+
+def write_checkpoint(smoke: bool) -> int:
+    import jax.numpy as jnp
+
+    from checkpoints.export import save_checkpoint
+    from checkpoints.formats import BF16
+    from checkpoints.init import init_params
+
+    cfg = config(smoke)
+    files = save_checkpoint(init_params(cfg, seed=0, dtype=jnp.bfloat16, draft=True), cfg, CKPT, BF16)
+    return sum(f.stat().st_size for f in files)
+
+
+def run(mode: str, batch: int, smoke: bool) -> dict:
+    import numpy as np
+
+    from serve.engine import Engine, EngineConfig
+
+    spec = dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=3, speculative_fixed_verify=True,
+                speculative_accept_length=3.25) if mode == "dspark" else {}
+    t0 = time.perf_counter()
+    engine = Engine.from_model_dir(CKPT, EngineConfig(max_running=batch, max_len=256, prefill_budget=4096,
+                                                      prefix_cache=False, dtype="bfloat16", **spec))
+    init_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 129000, size=8 if smoke else 128).tolist() for _ in range(batch)]
+    out = {"init_s": init_s, "kernel_paths": engine.kernel_paths}
+    for name, new in (("prefill", 1), ("decode", NEW_TOKENS)):
+        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        engine.generate(prompts, sp, decode_text=False)
+        first = time.perf_counter() - t0
+        steps0, v0, a0 = engine.stats.steps, engine.stats.verifies, engine.stats.accepted
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, sp, decode_text=False)
+        out[name] = {"first_s": first, "s": time.perf_counter() - t0, "steps": engine.stats.steps - steps0,
+                     "tokens": sum(len(r["output_ids"]) for r in res), "verifies": engine.stats.verifies - v0,
+                     "accepted": engine.stats.accepted - a0}
+    pre, dec = out["prefill"], out["decode"]
+    steps = dec["steps"] - pre["steps"]
+    out["step_ms"] = (dec["s"] - pre["s"]) / steps * 1e3
+    out["decode_tokens_per_s"] = (dec["tokens"] - pre["tokens"]) / (dec["s"] - pre["s"])
+    out["accept_length"] = dec["accepted"] / max(dec["verifies"], 1)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--batches", default="8,32,128")
+    ap.add_argument("--modes", default="plain,dspark")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)   # mode, batch: one run in this process
+    ap.add_argument("--timeout", type=int, default=240)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run(args.child[0], int(args.child[1]), args.smoke)), flush=True)
+        return
+    os.environ.setdefault("MEGAJAX_KERNELS", "reference" if args.smoke else "pallas")
+    child_env = dict(os.environ)
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"   # this process's arrays must leave the GPU to the runs
+    size = write_checkpoint(args.smoke)
+    ceil = ceilings(args.smoke)
+    payload = {**run_info(), "ceilings": ceil, "checkpoint_bytes": size, "new_tokens": NEW_TOKENS,
+               "prompt_tokens": 128, "roofline_step_ms": size / (ceil["bandwidth_GBps"] * 1e9) * 1e3, "runs": {}}
+    for b in map(int, args.batches.split(",")):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--child", mode, str(b)] + (["--smoke"] if args.smoke else [])
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
+                lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                got = json.loads(lines[-1][7:]) if lines else {"error": p.stderr[-2000:]}
+            except subprocess.TimeoutExpired:
+                got = {"error": f"timed out after {args.timeout} s"}
+            payload["runs"][f"{mode}_{b}"] = got
+            print(mode, b, {k: got.get(k) for k in ("step_ms", "decode_tokens_per_s", "accept_length", "error")},
+                  flush=True)
+            write("dspark_gpu", payload)
+
+
+if __name__ == "__main__":
+    main()
