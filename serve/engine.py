@@ -570,7 +570,7 @@ class Engine:
     def _notify(self, req: Request) -> None:
         """Hand a stream what its request gained since the last call (called with the lock held):
         constant work a token, not a copy of the whole output."""
-        if req.handle is None:
+        if req.handle is None or req.notified_end:
             return
         n, stable, finished = len(req.output), req.stable_len(), req.finished
         if n == req.notified and stable <= req.notified_text and not finished:
@@ -585,6 +585,7 @@ class Engine:
             if req.spec:
                 delta["spec_verify_ct"] = req.verify_ct
         req.notified, req.notified_text = n, max(req.notified_text, stable)
+        req.notified_end = finished
         req.handle.put(req.index, delta)
 
     def start(self) -> threading.Thread:

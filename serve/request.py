@@ -36,6 +36,7 @@ class Request:
     detok: Detokenizer | None = None  # set once its text is wanted (stop strings or a stream)
     notified: int = 0  # outputs handed to its stream so far
     notified_text: int = 0  # characters of stable text handed to its stream so far
+    notified_end: bool = False  # its final delta went (a step in flight at its stop lands after)
     handle: Any = None  # serve.handle.Handle its deltas go to (a streamed request), or None
     index: int = 0  # which of its handle's samples it is
     spec: bool = False  # decodes speculatively (DSpark; serve/speculative.py)

@@ -319,6 +319,28 @@ def test_async_stream_and_disconnect(tiny, prompts, reference):
     assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
 
 
+def test_streamed_fan_out_ends_each_sample_exactly_once(tiny, prompts):
+    """More samples than slots, overlapped steps: a sample whose stop the host saw while its
+    next step was in flight must not end twice (the handle would stop reading early)."""
+    engine = _engine(tiny)
+    engine.start()
+    n = 10
+
+    async def main():
+        ends, ids = [], {}
+        async for i, d in engine.submit(prompts[3], {"max_new_tokens": 5, "n": n, "temperature": 1.0,
+                                                    "seed": 3}).deltas():
+            assert i not in ends, f"sample {i} had news after its end"
+            ids.setdefault(i, []).extend(d["output_ids"])
+            if d["finish_reason"] is not None:
+                ends.append(i)
+        return ends, ids
+
+    ends, ids = asyncio.run(main())
+    engine.stop()
+    assert sorted(ends) == list(range(n)) and all(len(v) == 5 for v in ids.values())
+
+
 def test_stable_text_holds_back_stop_prefixes():
     from serve.request import Request
     from serve.sampling import SamplingParams
