@@ -85,37 +85,52 @@ def _block_index(cfg: ModelConfig, state: ModelState, slots: jnp.ndarray, anchor
     return jnp.where(live, jnp.concatenate([ctx, own], axis=1), -1), pos
 
 
-def propose(params: dict, cfg: ModelConfig, state: ModelState, anchors: jnp.ndarray, anchor_pos: jnp.ndarray,
-            slots: jnp.ndarray, num_drafts: int, sample_slot) -> Proposal:
-    """Drafts for requests in ``slots [S]`` (-1: padding) whose last token ``anchors [S]`` sits at
-    ``anchor_pos [S]``. ``sample_slot(i, logits [S, V]) -> [S]`` samples block slot ``i`` (the
-    token at ``anchor_pos + i + 1``) as the target would."""
-    mtp, b = params["mtp"], cfg.dspark_block_size
-    s, hd, hc = slots.shape[0], cfg.head_dim, cfg.hc_mult
-    idx, pos = _block_index(cfg, state, slots, anchor_pos, b)
+def draft_hidden(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, pos: jnp.ndarray, contexts: list,
+                 idx: jnp.ndarray) -> jnp.ndarray:
+    """The draft's final hidden state ``[R, D]`` of block rows ``tokens [R]`` at ``pos [R]``: row
+    ``r`` attends to rows ``idx[r]`` (-1: none) of ``[contexts[l] ; the block rows' own KV]``,
+    where ``contexts[l] [C, head_dim]`` is draft layer ``l``'s context KV."""
+    mtp, hd, hc = params["mtp"], cfg.head_dim, cfg.hc_mult
     cos, sin = _main_rope(cfg, pos)
-    tokens = jnp.where(jnp.arange(s * b) % b == 0, jnp.repeat(anchors, b), cfg.dspark_noise_token_id)
     x0 = params["embed"][tokens]
     residual, update = jnp.repeat(x0[:, None, :], hc, axis=1), None
-    pre = jnp.zeros((s * b, hc), jnp.float32).at[:, 0].set(1.0)
+    pre = jnp.zeros((tokens.shape[0], hc), jnp.float32).at[:, 0].set(1.0)
     spec, opts = draft_moe_spec(cfg), hc_options(cfg)
-    for lp, ring in zip(mtp["layers"], state.draft_window):
+    for lp, ctx in zip(mtp["layers"], contexts):
         residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], pre, lp["attn_norm"], **opts)
         _, q = queries(x, lp["attn"], cfg)
         block_kv = quant.fp8_block32(window_kv(x, lp["attn"], cfg, cos, sin))
-        pool = jnp.concatenate([ring.reshape(-1, hd), block_kv.astype(ring.dtype)])
+        pool = jnp.concatenate([ctx.reshape(-1, hd), block_kv.astype(ctx.dtype)])
         o = attention(q, cos, sin, pool, idx, None, None, lp["attn"]["sink"], hd ** -0.5)
         y = output(o, lp["attn"], cfg, x.dtype)
         residual, x, ffn_mix = mhc_step(residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
                                         attn_mix.pre, lp["ffn_norm"], **opts)
         update, pre = Update(moe(x, lp["moe"], spec), ffn_mix.post, ffn_mix.comb), ffn_mix.pre
-    _, hidden, _ = mhc_step(residual, update, None, pre, mtp["norm"], **opts)
-    hidden = hidden.reshape(s, b, -1)
+    return mhc_step(residual, update, None, pre, mtp["norm"], **opts)[1]
+
+
+def slot_head(params: dict, hidden: jnp.ndarray, prev: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """A block slot's logits ``[S, V]`` (the shared head plus the Markov head of the token before
+    it, ``prev [S]``) and its confidence logit ``[S]``."""
+    mtp = params["mtp"]
+    m = mtp["markov_embed"][prev]
+    logits = linear(hidden, params["lm_head"]) + linear(m, mtp["markov_head"])
+    conf = linear(jnp.concatenate([hidden, m.astype(hidden.dtype)], -1), mtp["confidence"])[:, 0]
+    return logits, conf
+
+
+def propose(params: dict, cfg: ModelConfig, state: ModelState, anchors: jnp.ndarray, anchor_pos: jnp.ndarray,
+            slots: jnp.ndarray, num_drafts: int, sample_slot) -> Proposal:
+    """Drafts for requests in ``slots [S]`` (-1: padding) whose last token ``anchors [S]`` sits at
+    ``anchor_pos [S]``. ``sample_slot(i, logits [S, V]) -> [S]`` samples block slot ``i`` (the
+    token at ``anchor_pos + i + 1``) as the target would."""
+    b, s = cfg.dspark_block_size, slots.shape[0]
+    idx, pos = _block_index(cfg, state, slots, anchor_pos, b)
+    tokens = jnp.where(jnp.arange(s * b) % b == 0, jnp.repeat(anchors, b), cfg.dspark_noise_token_id)
+    hidden = draft_hidden(params, cfg, tokens, pos, list(state.draft_window), idx).reshape(s, b, -1)
     drafts, confidence, prev = [], [], anchors
     for i in range(num_drafts):
-        m = mtp["markov_embed"][prev]
-        logits = linear(hidden[:, i], params["lm_head"]) + linear(m, mtp["markov_head"])
-        conf = linear(jnp.concatenate([hidden[:, i], m.astype(hidden.dtype)], -1), mtp["confidence"])[:, 0]
+        logits, conf = slot_head(params, hidden[:, i], prev)
         prev = sample_slot(i, logits)
         drafts.append(prev)
         confidence.append(jnp.asarray(conf, jnp.float32))

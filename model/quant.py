@@ -3,7 +3,8 @@
 They are part of the model: the window KV is FP8 (block 32, UE8M0 scales), the
 compressed KV is NVFP4 (block 16, E4M3 scales) and the indexer queries and keys are
 FP4 (block 32, UE8M0). Each function returns the dequantised values, which is exactly
-what a serving path storing the real bytes plus scales reads back. A trailing
+what a serving path storing the real bytes plus scales reads back; training differentiates
+each straight through (``pallas_kernels.qat``). A trailing
 dimension that the block does not divide is left unquantised, as in the reference.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.fp4 import FP4_MAX, e2m1_code, e2m1_value, mxfp4_parts, pow2_ceil, pow2_from_exponent
+from pallas_kernels.qat import straight_through
 from pallas_kernels.sparse_attention import ue8m0
 
 FP8_MAX = 448.0
@@ -41,6 +43,7 @@ def fp8_block32_stored(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return q, ue8m0(scale)
 
 
+@straight_through
 def fp8_block32(x: jnp.ndarray) -> jnp.ndarray:
     """Window-KV quantiser: e4m3 with one power-of-two scale per 32 channels."""
     if x.shape[-1] % 32:
@@ -55,6 +58,7 @@ def fp4_block32_active(dim: int) -> bool:
     return dim % 32 == 0
 
 
+@straight_through
 def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
     """Indexer q/k quantiser: e2m1 with one power-of-two scale per 32 channels (MXFP4)."""
     if not fp4_block32_active(x.shape[-1]):
@@ -64,6 +68,7 @@ def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
     return (e2m1_value(codes) * scale).astype(x.dtype)
 
 
+@straight_through
 def nvfp4_block16(x: jnp.ndarray) -> jnp.ndarray:
     """Compressed-KV quantiser: e2m1 with one e4m3 scale per 16 channels."""
     if x.shape[-1] % 16:

@@ -117,6 +117,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compat import transposed
 from pallas_kernels.fp4 import (BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order,
                                 pow2_from_exponent)
+from pallas_kernels.qat import straight_through
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ class Fp8Rows(NamedTuple):
         return blocks.reshape(m, k).astype(dtype)
 
     @staticmethod
+    @straight_through
     def rounded(x: jax.Array) -> jax.Array:
         """``from_float(x).dequantized(x.dtype)`` for the references, without an fp8 array: XLA
         on the GPU drops a convert to fp8 and back inside a fusion (excess precision), so the
