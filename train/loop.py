@@ -111,6 +111,20 @@ def run(run_dir: str | Path, trainable: dict, loss: Loss, data, schedule: Schedu
     return trainable, step
 
 
+def saved_schedule(run_dir: str | Path) -> Schedule | None:
+    """The schedule a run was started with (a resumed run keeps its length and rates)."""
+    path = Path(run_dir) / "schedule.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return Schedule(**{f: saved[f] for f in Schedule.__dataclass_fields__})
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    with _manager(Path(run_dir)) as manager:
+        return manager.latest_step() is not None
+
+
 def read_log(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "log.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
