@@ -33,7 +33,7 @@ def corpus(run: Path, max_files: int | None):
     cfg = recipe.small_config()
     c = build(Tokenizer.from_file(str(tokenizer_path())), cfg.eos_token_id, max_files=max_files)
     run.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=c.train, heldout=c.heldout, stats=json.dumps(c.stats))
+    np.savez_compressed(path, train=c.train, heldout=c.heldout, stats=json.dumps(c.stats))
     print(json.dumps(c.stats), flush=True)
     return c.train, c.heldout, c.stats
 
