@@ -1,10 +1,10 @@
-"""``python -m train {target,draft,export} --run DIR``: the small V4.1 and its DSpark draft.
+"""``python -m train {target,draft,export,card} --run DIR``: the small V4.1 and its DSpark draft.
 
 Each stage resumes from the run's orbax checkpoints (``DIR/target``, ``DIR/draft``) and stops at
 its schedule's last step or after ``--minutes`` (a device call is bounded), so a few calls
-finish it. The corpus is tokenised once into ``DIR/corpus.npz``. ``eval`` writes the target's
-held-out perplexity beside the n-gram baselines'; ``export`` writes the trained model with its
-draft as a checkpoint in the release's V4.1 format.
+finish it. The corpus is tokenised once into ``DIR/corpus.npz``. ``export`` writes the trained
+model with its draft as a checkpoint in the release's V4.1 format; ``card`` measures that
+checkpoint as served and writes its model card beside it (``train/card.py``).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _train(stage_dir: Path, trainable: dict, loss, data, schedule, minutes: floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["target", "draft", "export", "eval"])
+    ap.add_argument("stage", choices=["target", "draft", "export", "card"])
     ap.add_argument("--run", required=True, type=Path, help="the run directory")
     ap.add_argument("--steps", type=int, help="override the stage's schedule length")
     ap.add_argument("--minutes", type=float, help="fit a fresh stage to this long, and stop (with a checkpoint) "
@@ -86,20 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=recipe.BATCH)
     ap.add_argument("--seq-len", type=int, default=recipe.SEQ_LEN)
     ap.add_argument("--max-files", type=int, help="a corpus of the first N files (smoke runs)")
-    ap.add_argument("--out", type=Path, help="export: the checkpoint directory to write; eval: the JSON file")
+    ap.add_argument("--out", type=Path, help="export: the checkpoint directory to write")
+    ap.add_argument("--model", type=Path, help="card: the exported checkpoint directory (the card goes beside it)")
+    ap.add_argument("--max-heldout-tokens", type=int, help="card: score only the first N held-out tokens")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.stage in ("export", "eval") and args.out is None:
-        ap.error(f"{args.stage} needs --out")
+    if args.stage == "export" and args.out is None:
+        ap.error("export needs --out")
+    if args.stage == "card" and args.model is None:
+        ap.error("card needs --model")
     import jax
 
     from train import draft, loop, target
-    from train.data import batches, in_order
+    from train.data import batches
 
     # the probe and the stage's run compile the same step: the second is a cache hit
     jax.config.update("jax_compilation_cache_dir", str(args.run.absolute() / "xla_cache"))
     cfg = recipe.small_config()
     train_ids, heldout_ids, stats = corpus(args.run, args.max_files)
+    if args.stage == "card":
+        from train.card import write
+
+        write(args.run, args.model, stats, train_ids, heldout_ids, args.max_heldout_tokens)
+        print(f"wrote {args.model / 'MODEL_CARD.md'}")
+        return 0
     emap = _engram_map(cfg)
     backbone, mtp = _initial(cfg, args.seed)
     t_sched, d_sched = (recipe.TARGET, recipe.DRAFT) if args.steps is None else \
@@ -118,14 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                                    seed=args.seed + 1)
         _train(args.run / "draft", mtp, draft.loss_fn(cfg, emap), anchored, d_sched, args.minutes,
                args.steps is not None, meta, frozen=backbone)
-        return 0
-    if args.stage == "eval":
-        held = target.scored(heldout_ids)
-        report = {"corpus": stats, "scored_tokens": int(held.size - 1),
-                  "perplexity": target.perplexity(backbone, cfg, in_order(held, args.seq_len, args.batch), emap),
-                  **target.ngram_perplexities(train_ids, heldout_ids, cfg.vocab_size)}
-        args.out.write_text(json.dumps(report, indent=1))
-        print(json.dumps(report))
         return 0
     from checkpoints.export import save_checkpoint
 

@@ -25,10 +25,3 @@ def batches(tokens: np.ndarray, seq_len: int, batch: int, seed: int = 0) -> grai
         return tokens[i * seq_len:(i + 1) * seq_len + 1]
 
     return grain.MapDataset.range(n).shuffle(seed=seed).map(window).batch(batch, drop_remainder=True).repeat(None)
-
-
-def in_order(tokens: np.ndarray, seq_len: int, batch: int) -> list[np.ndarray]:
-    """Every window once, in order (evaluation); the last batch may be short."""
-    n = windows(tokens, seq_len)
-    rows = [tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)]
-    return [np.stack(rows[i:i + batch]) for i in range(0, n, batch)]

@@ -10,7 +10,6 @@ indexer here keeps its initialisation's ranking quality (say so in the card).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -47,13 +46,6 @@ def loss_fn(cfg: ModelConfig, engram_map):
     def loss(params, frozen, tokens):
         return nll(params, cfg, tokens, engram_map).mean(), {}
     return loss
-
-
-def perplexity(params: dict, cfg: ModelConfig, batches: list[np.ndarray], engram_map) -> float:
-    """exp(mean NLL) over every next-token label of ``batches``."""
-    f = jax.jit(lambda p, t: nll(p, cfg, t, engram_map).sum())
-    total = sum(float(f(params, jnp.asarray(b))) for b in batches)
-    return float(np.exp(total / sum(b.shape[0] * (b.shape[1] - 1) for b in batches)))
 
 
 def scored(heldout: np.ndarray) -> np.ndarray:

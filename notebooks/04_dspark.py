@@ -1,0 +1,88 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # DSpark: how many drafts a step the target accepts
+#
+# DSpark's draft (MODEL_SPEC §7) proposes a block of tokens from the target's own hidden
+# states; the target verifies them in its next step and keeps the longest prefix that equals
+# its own samples, plus one token of its own (so a step yields between 1 and drafts + 1 tokens,
+# and outputs are exactly what the target alone would write: `serve/speculative.py`).
+# The *accept length* is tokens per verify step, the bonus token included.
+#
+# Here, through the public engine (`serve.engine.Engine`, as `--speculative-algorithm DSPARK`
+# runs it): accept length against the number of drafts, the temperature, and with the draft's
+# Markov head (the term that makes slot i depend on the token chosen for slot i - 1) zeroed.
+#
+# The model is the embedded default. While that default has random weights, its draft agrees
+# with the target by chance only (accept length about 1); a trained draft's curves have the
+# shape this notebook is for.
+
+# %%
+import inspect
+import textwrap
+
+import jax
+import matplotlib.pyplot as plt
+
+from serve.default_model import NAME, default_config, default_params
+from serve.engine import Engine, EngineConfig
+
+cfg = default_config()
+params = default_params(cfg, draft=True)
+print(NAME, f"draft block {cfg.dspark_block_size}")
+PROMPTS = [inspect.getsource(m)[:600] for m in (textwrap, inspect, jax.tree_util)][:3]
+PROMPTS += [p[300:] for p in PROMPTS]
+NEW = 32
+
+
+def accept(engine, temperature):
+    v0, a0 = engine.stats.verifies, engine.stats.accepted
+    engine.generate(PROMPTS, {"max_new_tokens": NEW, "temperature": temperature, "seed": 1, "ignore_eos": True},
+                    decode_text=False)
+    return (engine.stats.accepted - a0) / max(engine.stats.verifies - v0, 1)
+
+
+def engine(drafts, p=params):
+    return Engine(p, cfg, EngineConfig(max_running=len(PROMPTS), max_len=512, prefix_cache=False,
+                                       speculative_algorithm="DSPARK", speculative_num_draft_tokens=drafts))
+
+
+# %%
+DRAFTS = [1, 2, 4]
+TEMPS = [0.0, 0.7, 1.0]
+by_drafts = {}
+for d in DRAFTS:
+    e = engine(d)
+    by_drafts[d] = {t: accept(e, t) for t in TEMPS}
+no_markov = {**params, "mtp": {**params["mtp"], "markov_head": jax.numpy.zeros_like(params["mtp"]["markov_head"])}}
+e = engine(DRAFTS[-1], no_markov)
+without = {t: accept(e, t) for t in TEMPS}
+
+fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+for t in TEMPS:
+    a.plot(DRAFTS, [by_drafts[d][t] for d in DRAFTS], marker="o", label=f"temperature {t:g}")
+a.plot(DRAFTS, [d + 1 for d in DRAFTS], ls=":", color="gray", label="every draft accepted")
+a.set(xlabel="drafts a step", ylabel="tokens per verify step", title="accept length")
+a.legend(fontsize=8)
+x = range(len(TEMPS))
+b.bar([i - 0.2 for i in x], [by_drafts[DRAFTS[-1]][t] for t in TEMPS], 0.4, label="Markov head on")
+b.bar([i + 0.2 for i in x], [without[t] for t in TEMPS], 0.4, label="Markov head zeroed")
+b.set(xticks=list(x), xticklabels=[f"T={t:g}" for t in TEMPS], ylabel="tokens per verify step",
+      title=f"{DRAFTS[-1]} drafts: the Markov head")
+b.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+for d in DRAFTS:
+    print(f"{d} drafts:", {f"T={t:g}": round(v, 3) for t, v in by_drafts[d].items()})
+print("Markov head zeroed:", {f"T={t:g}": round(v, 3) for t, v in without.items()})
