@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -41,9 +43,8 @@ from serve.engine import Engine, EngineConfig
 cfg = default_config()
 params = default_params(cfg, draft=True)
 print(NAME, f"draft block {cfg.dspark_block_size}")
-PROMPTS = [inspect.getsource(m)[:600] for m in (textwrap, inspect, jax.tree_util)][:3]
-PROMPTS += [p[300:] for p in PROMPTS]
-NEW = 32
+PROMPTS = [inspect.getsource(m)[:400] for m in (textwrap, inspect, jax.tree_util, plt)]
+NEW = 24
 
 
 def accept(engine, temperature):
@@ -59,8 +60,8 @@ def engine(drafts, p=params):
 
 
 # %%
-DRAFTS = [1, 2, 4]
-TEMPS = [0.0, 0.7, 1.0]
+DRAFTS = [1, 4]
+TEMPS = [0.0, 0.7]
 by_drafts = {}
 for d in DRAFTS:
     e = engine(d)
