@@ -163,3 +163,22 @@ def test_cli_stages_chain_into_a_v41_checkpoint(tmp_path, monkeypatch):
     assert config["hidden_size"] == recipe.small_config().hidden_size
     loaded = load_params(out)
     assert "mtp" in loaded and loop.read_log(run / "draft")[-1]["step"] == 1
+
+    # the card measures the exported checkpoint (held-out stand-in: the corpus's last tokens)
+    from train import card
+    from train.__main__ import corpus as run_corpus
+
+    train_ids, _, stats = run_corpus(run, None)
+    got = card.write(run, out, stats, train_ids, train_ids[-130:], prompts=2, prompt_len=8, new_tokens=4)
+    assert got["heldout"]["scored_tokens"] == 64   # the scored half, in windows of 32 + 1
+    assert 1 < got["heldout"]["perplexity"] < 10 * cfg_vocab(out) and got["heldout"]["bigram"] > 1
+    assert all(1 <= got["dspark"][t]["accept_length"] <= 4 for t in ("0", "0.7"))
+    text = (out / "MODEL_CARD.md").read_text()
+    assert f"{got['heldout']['perplexity']:.2f}" in text and (out / "loss.png").stat().st_size > 10_000
+    assert json.loads((out / "card.json").read_text())["target"]["steps"] == 1
+    with pytest.raises(ValueError, match="held-out"):
+        card.write(run, out, stats, train_ids, train_ids[:2])
+
+
+def cfg_vocab(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]

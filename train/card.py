@@ -55,7 +55,7 @@ def accept_lengths(model_dir: Path, heldout: np.ndarray, prompts: int, prompt_le
         v, a = engine.stats.verifies - v0, engine.stats.accepted - a0
         out[f"{t:g}"] = {"accept_length": a / max(v, 1), "verify_steps": v, "tokens": a}
     out["samples"] = [{"prompt": p, "completion": r["text"]} for p, r in zip(PROMPTS, engine.generate(
-        list(PROMPTS), {"max_new_tokens": 48, "temperature": 0}))]
+        list(PROMPTS), {"max_new_tokens": new_tokens, "temperature": 0}))]
     return out
 
 
@@ -93,8 +93,18 @@ def plot(card: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def card_seq_len(run: Path) -> int:
+    return json.loads((run / "target" / "schedule.json").read_text())["seq_len"]
+
+
+def _brief(stage: dict) -> dict:
+    return {k: v for k, v in stage.items() if k != "log"}
+
+
 def write(run: Path, model_dir: Path, corpus_stats: dict, train_ids: np.ndarray, heldout: np.ndarray,
           max_heldout_tokens: int | None = None, prompts: int = 8, prompt_len: int = 96, new_tokens: int = 48) -> dict:
+    if target.scored(heldout).size < 2:
+        raise ValueError("the run's corpus holds too few held-out tokens to score (a corpus of more files)")
     cfg = json.loads((model_dir / "config.json").read_text())
     card = {"corpus": corpus_stats, "target": _stage(run, "target"), "draft": _stage(run, "draft"),
             "heldout": {**heldout_perplexity(model_dir, heldout, card_seq_len(run), max_heldout_tokens),
@@ -108,14 +118,6 @@ def write(run: Path, model_dir: Path, corpus_stats: dict, train_ids: np.ndarray,
                                                      "draft": _brief(card["draft"])}, indent=1))
     (model_dir / "MODEL_CARD.md").write_text(markdown(card))
     return card
-
-
-def card_seq_len(run: Path) -> int:
-    return json.loads((run / "target" / "schedule.json").read_text())["seq_len"]
-
-
-def _brief(stage: dict) -> dict:
-    return {k: v for k, v in stage.items() if k != "log"}
 
 
 def markdown(card: dict) -> str:
