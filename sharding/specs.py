@@ -1,0 +1,46 @@
+"""Partition specs for the parameters and the cache state, derived, not listed.
+
+Parameters: ``model.params.param_specs`` says what every parameter is; a routed expert stack
+(role ``expert``, one slice per expert on axis 0) is split over ``expert``, whatever format
+holds it (a quantised stack's every array keeps the expert axis first); everything else is
+replicated. State: every array of ``model.state.ModelState`` is per request on its first
+axis (slots, or the pages the slots own: ``init_state`` gives each slot contiguous pages), so
+it is split over ``data``.
+
+Plain ``PartitionSpec``s rather than Flax's logical-axis metadata: the rule is one line per
+role here, and the param tree is a plain dict that ``param_specs`` already describes.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.params import build_tree, param_specs
+from model.state import ModelState
+from sharding.mesh import DATA, EXPERT
+
+
+def param_partition(cfg: ModelConfig, params: dict) -> dict:
+    """A ``PartitionSpec`` for every array leaf of ``params`` (the tree ``param_specs`` describes,
+    with or without the draft, quantised or not)."""
+    by_path = build_tree(cfg, {s.path: P(EXPERT) if s.role == "expert" else P()
+                               for s in param_specs(cfg, draft="mtp" in params)})
+    # a leaf of ``by_path`` may stand for a subtree of ``params`` (a quantised weight's arrays)
+    return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), by_path, params)
+
+
+def state_partition(state: ModelState) -> ModelState:
+    return jax.tree.map(lambda _: P(DATA), state)
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    return _put(params, param_partition(cfg, params), mesh)
+
+
+def shard_state(state: ModelState, mesh: Mesh) -> ModelState:
+    return _put(state, state_partition(state), mesh)
+
+
+def _put(tree, specs, mesh: Mesh):
+    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
