@@ -309,16 +309,25 @@ def _experts_reference(xs, row_w, w1, w3, w2, group_sizes, limit, fp8_rows=False
 
 @jax.named_scope("mega_moe")  # prefixes its ops' names in HLO dumps and XProf
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None) -> jnp.ndarray:
-    t, d = x.shape
-    n_experts = p["w1"].shape[0]
-    shared = p.get("shared")
     weights, ids = route(x, p, spec, image_mask)
+    return routed_experts(x, weights, ids, p, spec, with_shared=True).astype(x.dtype)
+
+
+def routed_experts(x: jnp.ndarray, weights: jnp.ndarray, ids: jnp.ndarray, p: dict, spec: MoeSpec,
+                   with_shared: bool = False) -> jnp.ndarray:
+    """fp32 ``[T, D]``: each token's rows through its experts ``ids [T, k]`` (indices into
+    ``p``'s stacks), scaled by ``weights [T, k]`` and summed; ``with_shared``: plus the shared
+    expert (fused into the kernels' launches where the plan allows)."""
+    t, d = x.shape
+    top_k = ids.shape[1]
+    n_experts = p["w1"].shape[0]
+    shared = p.get("shared") if with_shared else None
     order = jnp.argsort(ids.reshape(-1), stable=True)  # dispatch: (token, k) pairs by expert
     group_sizes = jnp.bincount(ids.reshape(-1), length=n_experts).astype(jnp.int32)
-    tokens, row_w = order // spec.top_k, weights.reshape(-1)[order]
+    tokens, row_w = order // top_k, weights.reshape(-1)[order]
     n = tokens.shape[0]
     how = plan(x.dtype, p, spec, n)
-    cfgs, fuse_shared = how.cfgs, how.fuse_shared
+    cfgs, fuse_shared = how.cfgs, how.fuse_shared and shared is not None
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))  # pair → sorted row
     if cfgs is not None:
         out, dest = _experts_pallas(x, tokens, row_w, p, group_sizes, spec.swiglu_limit, cfgs, fuse_shared,
@@ -329,9 +338,9 @@ def moe(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None =
                                  spec.swiglu_limit, spec.fp8_activations)
         pair_rows = inv
     # combine: each token gathers and sums its k (already weighted) expert rows
-    y = out[pair_rows].reshape(t, spec.top_k, d).astype(jnp.float32).sum(1)
+    y = out[pair_rows].reshape(t, top_k, d).astype(jnp.float32).sum(1)
     if fuse_shared:
         y = y + out[dest[n:]].astype(jnp.float32)
     elif shared is not None:
         y = y + shared_expert(x, shared, spec.swiglu_limit, spec.fp8_activations)
-    return y.astype(x.dtype)
+    return y

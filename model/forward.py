@@ -17,13 +17,14 @@ import jax.numpy as jnp
 
 from mega.engram import engram
 from mega.mhc import HcMix, Update, hc_expand, mhc_step
-from mega.moe import MoeSpec, moe
+from mega.moe import MoeSpec
 from mega.primitives import linear
 from model.attention import Published, attention_sublayer
 from model.batch import Batch, StepInfo, replay_rows, step_info
 from model.config import ModelConfig
 from model.engram_hash import DEAD, EngramHashTables, engram_hash, lookback_ids
 from model.state import ModelState
+from sharding.expert_parallel import moe
 
 
 class Trace(NamedTuple):
