@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from mega.attention import attention
 from mega.mhc import Update, mhc_step
-from mega.moe import MoeSpec, moe
+from mega.moe import MoeSpec
 from mega.primitives import linear, rms_norm
 from model import quant
 from model.attention import output, queries, window_kv
@@ -34,6 +34,7 @@ from model.batch import StepInfo
 from model.config import ModelConfig
 from model.forward import hc_options
 from model.rope import cos_sin, inv_freq
+from sharding.expert_parallel import moe
 from model.state import ModelState
 
 
