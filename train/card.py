@@ -5,8 +5,8 @@ stages' logs (``target/log.jsonl``, ``draft/log.jsonl`` and their ``schedule.jso
 device call brings back; the optimiser checkpoints need not come), then writes beside the
 weights ``card.json``, ``loss.png`` and ``MODEL_CARD.md``:
 
-* held-out perplexity through ``serve.batch_scoring.Scorer`` on the release-format checkpoint
-  (fp8 linears, MXFP4 experts: what is served, not the float32 training weights), beside the
+* held-out perplexity through the engine's ``serve.batch_scoring.Scorer`` on the release-format
+  checkpoint (fp8 linears, MXFP4 experts: what is served, not the float32 training weights), beside the
   add-one unigram and interpolated bigram baselines on the same held-out stream;
 * DSpark's accept length (tokens a verify step yields, bonus included: the engine's
   ``spec_accept_length``) through ``serve.engine.Engine`` on held-out prompts, at temperature
@@ -26,24 +26,17 @@ PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\
 TEMPERATURES = (0.0, 0.7)
 
 
-def heldout_perplexity(model_dir: Path, heldout: np.ndarray, seq_len: int, max_tokens: int | None) -> dict:
-    from serve.batch_scoring import Scorer
-    from serve.loaded_model import LoadedModel
-
+def heldout_perplexity(engine, heldout: np.ndarray, seq_len: int, max_tokens: int | None) -> dict:
     held = target.scored(heldout)[:max_tokens]
     windows = [held[i:i + seq_len + 1].tolist() for i in range(0, held.size - 1, seq_len)]
     windows = [w for w in windows if len(w) > 1]
-    lps = Scorer(LoadedModel.from_model_dir(model_dir)).score(windows)
+    lps = engine.scorer.score(windows)   # the scorer on the weights the engine serves
     nll = -np.concatenate([np.asarray(lp[1:]) for lp in lps])
     return {"perplexity": float(np.exp(nll.mean())), "scored_tokens": int(nll.size)}
 
 
-def accept_lengths(model_dir: Path, heldout: np.ndarray, prompts: int, prompt_len: int, new_tokens: int) -> dict:
+def accept_lengths(engine, heldout: np.ndarray, prompts: int, prompt_len: int, new_tokens: int) -> dict:
     """The engine's mean accept length per verify step at each of ``TEMPERATURES``."""
-    from serve.engine import Engine, EngineConfig
-
-    engine = Engine.from_model_dir(model_dir, EngineConfig(max_running=prompts, max_len=prompt_len + new_tokens + 16,
-                                                           prefix_cache=False, speculative_algorithm="DSPARK"))
     held = target.scored(heldout)
     stride = max(1, (held.size - prompt_len) // prompts)
     ids = [held[i * stride:i * stride + prompt_len].tolist() for i in range(prompts)]
@@ -105,11 +98,15 @@ def write(run: Path, model_dir: Path, corpus_stats: dict, train_ids: np.ndarray,
           max_heldout_tokens: int | None = None, prompts: int = 8, prompt_len: int = 96, new_tokens: int = 48) -> dict:
     if target.scored(heldout).size < 2:
         raise ValueError("the run's corpus holds too few held-out tokens to score (a corpus of more files)")
+    from serve.engine import Engine, EngineConfig
+
     cfg = json.loads((model_dir / "config.json").read_text())
+    engine = Engine.from_model_dir(model_dir, EngineConfig(max_running=prompts, max_len=prompt_len + new_tokens + 16,
+                                                           prefix_cache=False, speculative_algorithm="DSPARK"))
     card = {"corpus": corpus_stats, "target": _stage(run, "target"), "draft": _stage(run, "draft"),
-            "heldout": {**heldout_perplexity(model_dir, heldout, card_seq_len(run), max_heldout_tokens),
+            "heldout": {**heldout_perplexity(engine, heldout, card_seq_len(run), max_heldout_tokens),
                         **target.ngram_perplexities(train_ids, heldout, cfg["vocab_size"])},
-            "dspark": accept_lengths(model_dir, heldout, prompts, prompt_len, new_tokens),
+            "dspark": accept_lengths(engine, heldout, prompts, prompt_len, new_tokens),
             "checkpoint_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
             "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts",
                                            "num_experts_per_tok", "sliding_window", "dspark_block_size")}}
