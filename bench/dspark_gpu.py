@@ -10,12 +10,13 @@ once to compile and then timed; a step's time is (decode pass - prefill pass) / 
 * ``plain``: one token a request a step;
 * ``dspark``: 3 drafts a step, fixed verification of the whole block, and the seed's accept
   length of 3.25 tokens a step simulated (random weights accept almost nothing), so the
-  timed steps are what a trained draft's would be: a verify of 4 rows a request plus the draft.
+  timed steps are what a trained draft's would be: a verify of 4 rows a request plus the draft;
+  the draft alone is timed too (``time_draft``), for its share of the step and its roofline.
 
 Roofline beside each: the step's weight bytes (the checkpoint's size, read once a step) at
 the device's bandwidth; the decode of this slice is bound by them.
 
-    PYTHONUNBUFFERED=1 python3 bench/dspark_gpu.py --batches 8,32,128   # H200: $OUT/dspark_gpu.json
+    PYTHONUNBUFFERED=1 python3 bench/dspark_gpu.py                     # H200: $OUT/dspark_gpu.json
     python3 bench/dspark_gpu.py --smoke                                 # CPU: toy widths
 """
 from __future__ import annotations
@@ -78,13 +79,46 @@ def run(mode: str, batch: int, smoke: bool) -> dict:
     out["step_ms"] = (dec["s"] - pre["s"]) / steps * 1e3
     out["decode_tokens_per_s"] = (dec["tokens"] - pre["tokens"]) / (dec["s"] - pre["s"])
     out["accept_length"] = dec["accepted"] / max(dec["verifies"], 1)
+    if mode == "dspark":
+        out["draft"] = time_draft(engine, batch, spec["speculative_num_draft_tokens"])
+        out["draft_share"] = out["draft"]["ms"] / out["step_ms"]
     return out
+
+
+def time_draft(engine, batch: int, num_drafts: int, reps: int = 20) -> dict:
+    """The draft alone (``model.dspark.propose``: its layers over the block, then the slot heads
+    one by one, greedy) on a fresh state of the engine's shape, anchored past a 128-token context."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.dspark import propose
+    from model.state import init_state, state_dtype
+
+    m = engine.model
+    state = init_state(m.cfg, batch, 256, 64, state_dtype(m.params), spec_tokens=num_drafts)
+    state = state.replace(seq_lens=jnp.full((batch,), 128, jnp.int32))
+    anchors = jnp.asarray(np.random.default_rng(1).integers(3, 129000, size=batch), jnp.int32)
+    pos, slots = jnp.full((batch,), 128, jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+    step = jax.jit(lambda p, st, a: propose(p, m.cfg, st, a, pos, slots, num_drafts,
+                                            lambda i, logits: jnp.argmax(logits, -1).astype(jnp.int32)).drafts)
+    step(m.params, state, anchors).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        drafts = step(m.params, state, anchors)
+    drafts.block_until_ready()
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    leaves = jax.tree.leaves({"mtp": m.params["mtp"], "lm_head": m.params["lm_head"]})
+    # its roofline reads the draft's weights once and the shared LM head once a slot
+    head = m.params["lm_head"].size * m.params["lm_head"].dtype.itemsize
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves) + (num_drafts - 1) * head
+    return {"ms": ms, "weight_bytes": weight_bytes}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--batches", default="8,32,128")
+    ap.add_argument("--batches", default="8,32,128,256")
     ap.add_argument("--modes", default="plain,dspark")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)   # mode, batch: one run in this process
     ap.add_argument("--timeout", type=int, default=240)
