@@ -31,11 +31,19 @@ class Schedule:
     log_every: int = 20
     ckpt_every: int = 500
 
+    def learning_rate(self, step: int) -> float:
+        return float(optax.warmup_cosine_decay_schedule(0.0, self.lr, max(self.warmup, 1),
+                                                        max(self.steps, self.warmup + 1), self.lr * 0.1)(step))
+
     def optimizer(self) -> optax.GradientTransformation:
-        lr = optax.warmup_cosine_decay_schedule(0.0, self.lr, max(self.warmup, 1), max(self.steps, self.warmup + 1),
-                                                self.lr * 0.1)
-        return optax.chain(optax.clip_by_global_norm(self.clip),
-                           optax.adamw(lr, b2=0.95, weight_decay=self.weight_decay))
+        """AdamW whose learning rate is state set each step (``learning_rate``), not a constant:
+        the step's program then does not depend on the schedule's length, so a probe's compile
+        serves the run after it."""
+        def make(learning_rate):
+            return optax.chain(optax.clip_by_global_norm(self.clip),
+                               optax.adamw(learning_rate, b2=0.95, weight_decay=self.weight_decay))
+
+        return optax.inject_hyperparams(make)(learning_rate=0.0)
 
 
 # loss(trainable, frozen, batch) -> (scalar loss, dict of scalar metrics); a batch is a pytree
@@ -83,7 +91,8 @@ def run(run_dir: str | Path, trainable: dict, loss: Loss, data, schedule: Schedu
         (run_dir / "schedule.json").write_text(json.dumps({**asdict(schedule), **(meta or {})}, indent=1))
 
         @jax.jit
-        def train_step(p, s, fixed, batch):   # `fixed` an argument, not a constant baked into the program
+        def train_step(p, s, fixed, batch, lr):   # `fixed` an argument, not a constant baked into the program
+            s.hyperparams["learning_rate"] = lr
             (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(p, fixed, batch)
             updates, s = opt.update(grads, s, p)
             return optax.apply_updates(p, updates), s, value, metrics
@@ -92,12 +101,13 @@ def run(run_dir: str | Path, trainable: dict, loss: Loss, data, schedule: Schedu
         with open(run_dir / "log.jsonl", "a") as log:
             while step < schedule.steps:
                 batch = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.int32)), data[step])
-                trainable, opt_state, value, metrics = train_step(trainable, opt_state, frozen, batch)
+                trainable, opt_state, value, metrics = train_step(trainable, opt_state, frozen, batch,
+                                                                 jnp.float32(schedule.learning_rate(step)))
                 step += 1
                 if step % schedule.log_every == 0 or step == schedule.steps:
                     tokens = jax.tree.leaves(batch)[0]
                     row = {"step": step, "loss": float(value), "tokens": step * tokens.shape[0] * (tokens.shape[1] - 1),
-                           "seconds": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}}
+                           "seconds": time.perf_counter() - t0, "lr": schedule.learning_rate(step - 1), **{k: float(v) for k, v in metrics.items()}}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                 out_of_time = minutes is not None and time.perf_counter() - t0 > minutes * 60
