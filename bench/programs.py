@@ -55,13 +55,13 @@ def main() -> int:
     import jax
 
     from bench.gpu_common import commit
-    from serve.default_model import default_config, default_params
+    from serve.default_model import random_config, random_params
     from serve.engine import Engine, EngineConfig
     from serve.programs import PeakMaps, process_maps, shared_programs
 
     peak = PeakMaps(every=0.05)
-    cfg = default_config()
-    params = default_params(cfg)
+    cfg = random_config()
+    params = random_params(cfg)
     t0 = time.perf_counter()
     engine = Engine(params, cfg, EngineConfig())  # as `python -m serve`
     built_s = time.perf_counter() - t0

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tables); bf16: plain bf16 (F32 where the release keeps F32)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="re-encode this checkpoint directory")
-    src.add_argument("--config", type=Path, help="random weights for this config.json (default: the embedded model's)")
+    src.add_argument("--config", type=Path, help="random weights for this config.json (default: random-tiny's, serve.default_model)")
     ap.add_argument("--seed", type=int, default=0, help="with --config or the default: the random init's seed")
     ap.add_argument("--max-shard-gb", type=float, default=5.0)
     args = ap.parse_args(argv)
@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ModelConfig.from_json(args.model)
             params = load_params(args.model, cfg, progress=True)
         else:
-            from serve.default_model import default_config
+            from serve.default_model import random_config
 
-            cfg = ModelConfig.from_json(args.config) if args.config else default_config()
+            cfg = ModelConfig.from_json(args.config) if args.config else random_config()
             params = init_params(cfg, seed=args.seed)
         files = save_checkpoint(params, cfg, args.out, V41 if args.format == "v41" else BF16,
                                 int(args.max_shard_gb * (1 << 30)))

@@ -34,7 +34,7 @@ from mega.engram import lookup_rows
 from model.config import ModelConfig
 from model.engram_hash import EngramHashTables, engram_hash, lookback_ids
 from model.engram_vocab import compressed_token_map, tokenizer_path
-from serve.default_model import default_config
+from serve.default_model import random_config
 
 tok = Tokenizer.from_file(str(tokenizer_path()))
 comp = compressed_token_map()
@@ -59,7 +59,7 @@ for word in ["Hello", " hello", " Hello", " HELLO", " héllo", "hello"]:
 # to 3, 2 heads: 4 columns per layer).
 
 # %%
-cfg = default_config()
+cfg = random_config()
 tables = EngramHashTables.from_config(cfg)
 text = "the cat sat on the mat. The cat sat on the hat."
 ids = tok.encode(text, add_special_tokens=False).ids

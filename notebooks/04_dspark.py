@@ -37,12 +37,12 @@ import textwrap
 import jax
 import matplotlib.pyplot as plt
 
-from serve.default_model import NAME, default_config, default_params
+from serve.default_model import RANDOM_NAME, random_config, random_params
 from serve.engine import Engine, EngineConfig
 
-cfg = default_config()
-params = default_params(cfg, draft=True)
-print(NAME, f"draft block {cfg.dspark_block_size}")
+cfg = random_config()
+params = random_params(cfg, draft=True)
+print(RANDOM_NAME, f"draft block {cfg.dspark_block_size}")
 PROMPTS = [inspect.getsource(m)[:400] for m in (textwrap, inspect, jax.tree_util, plt)]
 NEW = 24
 

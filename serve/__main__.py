@@ -1,4 +1,4 @@
-"""``python -m serve``: the OpenAI-compatible HTTP server (the embedded default model without --model)."""
+"""``python -m serve``: the OpenAI-compatible HTTP server (without --model: the embedded random-tiny model)."""
 from __future__ import annotations
 
 import argparse
@@ -34,26 +34,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
+    from serve.default_model import RANDOM, RANDOM_NAME, random_config, random_params
     from serve.engine import Engine
     from serve.server import Server
 
     try:
         config = engine_config(args)
-        if args.model:
-            engine = Engine.from_model_dir(args.model, config, progress=True)
-            name = args.served_model_name or Path(args.model).resolve().name
+        if args.model in (None, RANDOM):
+            cfg = random_config()
+            engine = Engine(random_params(cfg, draft=config.speculative_algorithm is not None), cfg, config)
+            name = RANDOM_NAME
         else:
-            from serve.default_model import NAME, default_config, default_params
-
-            cfg = default_config()
-            engine = Engine(default_params(cfg, draft=config.speculative_algorithm is not None), cfg, config)
-            name = args.served_model_name or NAME
+            engine = Engine.from_model_dir(args.model, config, progress=True)
+            name = Path(args.model).resolve().name
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
+    name = args.served_model_name or name
     server = Server(engine, name, api_key=args.api_key, max_queue=args.max_queued_requests,
                     max_request_bytes=args.max_request_bytes, enable_metrics=args.enable_metrics)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)

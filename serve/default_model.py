@@ -1,19 +1,21 @@
-"""The embedded default model: a small V4.1 with the real vocabulary, initialised deterministically.
+"""The embedded model ``python -m serve`` runs without a checkpoint of the user's.
 
-It has every mechanism of V4.1 (mHC, Engram, ratio-2 and ratio-1 KV sources, indexer,
-candidate blocks, Reindex, MoE) at toy width, and the DeepSeek-V4 tokenizer's vocabulary,
-so ``python -m serve`` answers text requests in one command without downloading weights.
-Its words are random: it is for trying the API, not for reading.
+``random-tiny`` (``megajax/deepseek-v4.1-tiny-random``): every V4.1 mechanism (mHC, Engram,
+ratio-2 and ratio-1 KV sources, indexer, candidate blocks, Reindex, MoE) at width 256 with the
+real vocabulary, initialised deterministically, so that ``python -m serve`` answers in one
+command without downloading weights. Its words are random: it exercises the machinery (tests,
+benchmarks of programs), and the small model of ``train/`` derives its config from it.
 """
 from __future__ import annotations
 
 from model.config import ModelConfig
 
-NAME = "megajax/deepseek-v4.1-tiny-random"
+RANDOM = "random-tiny"
+RANDOM_NAME = "megajax/deepseek-v4.1-tiny-random"
 SEED = 0
 
 
-def default_config() -> ModelConfig:
+def random_config() -> ModelConfig:
     return ModelConfig.from_dict({
         "vocab_size": 129280, "hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
         "head_dim": 64, "q_lora_rank": 64, "qk_rope_head_dim": 16, "sliding_window": 8,
@@ -28,8 +30,8 @@ def default_config() -> ModelConfig:
     })
 
 
-def default_params(cfg: ModelConfig, draft: bool = False):
-    """Its weights (``draft``: with the DSpark draft layers, for ``--speculative-algorithm``)."""
+def random_params(cfg: ModelConfig, draft: bool = False):
+    """``random-tiny``'s weights (``draft``: with the DSpark draft layers, for ``--speculative-algorithm``)."""
     from checkpoints.init import init_params
 
     return init_params(cfg, seed=SEED, draft=draft)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import serve.server
-from serve.default_model import NAME, default_config, default_params
+from serve.default_model import RANDOM_NAME, random_config, random_params
 from serve.engine import Engine, EngineConfig
 from serve.sampling import MAX_N
 from serve.server import Server
@@ -114,11 +114,11 @@ CORPUS = _json_cases() + _raw_cases()
 
 @pytest.fixture(scope="module")
 def live():
-    cfg = default_config()
-    engine = Engine(default_params(cfg), cfg, EngineConfig(max_running=4, max_len=512, page_size=16,
+    cfg = random_config()
+    engine = Engine(random_params(cfg), cfg, EngineConfig(max_running=4, max_len=512, page_size=16,
                                                            prefill_budget=32, decoder_replay="off"))
     engine.warmup()   # normal requests below time serving, not compiling
-    srv = LiveServer(Server(engine, NAME, default_max_tokens=8, max_request_bytes=1 << 20))
+    srv = LiveServer(Server(engine, RANDOM_NAME, default_max_tokens=8, max_request_bytes=1 << 20))
     yield srv
     srv.close()
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from serve.default_model import NAME, default_config, default_params
+from serve.default_model import RANDOM_NAME, random_config, random_params
 from serve.engine import Engine, EngineConfig
 from serve.server import Server
 
@@ -53,8 +53,8 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = default_config()
-    engine = Engine(default_params(cfg), cfg, EngineConfig(max_running=4, max_len=512, page_size=16,
+    cfg = random_config()
+    engine = Engine(random_params(cfg), cfg, EngineConfig(max_running=4, max_len=512, page_size=16,
                                                            prefill_budget=32, decoder_replay="off"))
     engine.warmup()  # compile every bucket now, so request latencies below are serving, not compiling
     return engine
@@ -62,7 +62,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def live(engine):
-    srv = LiveServer(Server(engine, NAME, default_max_tokens=8, enable_metrics=True))
+    srv = LiveServer(Server(engine, RANDOM_NAME, default_max_tokens=8, enable_metrics=True))
     yield srv
     srv.close()
 
@@ -84,33 +84,33 @@ def _idle(engine, timeout=30.0):
 
 def test_models_and_health(client, live):
     models = client.models.list()
-    assert models.data[0].id == NAME
+    assert models.data[0].id == RANDOM_NAME
     assert live.request("/health")[0] == 200
     assert live.request("/health_generate")[0] == 200
 
 
 def test_completion_plain_and_seeded(client):
-    a = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
+    a = client.completions.create(model=RANDOM_NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
                                   seed=7)
-    b = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
+    b = client.completions.create(model=RANDOM_NAME, prompt="The capital of France is", max_tokens=6, temperature=0.8,
                                   seed=7)
     assert a.choices[0].text == b.choices[0].text and a.choices[0].finish_reason == "length"
     assert a.usage.completion_tokens == 6 and a.usage.prompt_tokens > 0
 
 
 def test_completion_stream_with_usage(client):
-    stream = client.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, stream=True,
+    stream = client.completions.create(model=RANDOM_NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     text = "".join(c.choices[0].text for c in chunks[:-1])
-    whole = client.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
+    whole = client.completions.create(model=RANDOM_NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
     assert text == whole.choices[0].text
 
 
 def test_n_and_logprobs(client):
-    r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, n=2, temperature=1.0, logprobs=3)
+    r = client.completions.create(model=RANDOM_NAME, prompt="Hi", max_tokens=4, n=2, temperature=1.0, logprobs=3)
     assert sorted(c.index for c in r.choices) == [0, 1]
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
@@ -129,17 +129,17 @@ def test_native_generate_streams_cumulative_text(live):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": NAME, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
-    ({"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"model": NAME, "prompt": "x", "top_p": 7}, 400, "top_p"),
-    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": NAME, "prompt": ""}, 400, "prompt"),
-    ({"model": NAME, "prompt": [1, -5]}, 400, "prompt"),
-    ({"model": NAME}, 400, "prompt"),
+    ({"model": RANDOM_NAME, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": RANDOM_NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": RANDOM_NAME, "prompt": "x", "top_p": 7}, 400, "top_p"),
+    ({"model": RANDOM_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": RANDOM_NAME, "prompt": ""}, 400, "prompt"),
+    ({"model": RANDOM_NAME, "prompt": [1, -5]}, 400, "prompt"),
+    ({"model": RANDOM_NAME}, 400, "prompt"),
     ({"model": "gpt-5", "prompt": "x"}, 404, "model"),
-    ({"model": NAME, "prompt": list(range(3, 600))}, 400, "messages"),
-    ({"model": NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
-    ({"model": NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": RANDOM_NAME, "prompt": list(range(3, 600))}, 400, "messages"),
+    ({"model": RANDOM_NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": RANDOM_NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
 ])
 def test_bad_requests_get_openai_envelopes(live, engine, body, status, param):
     code, text, _ = live.request("/v1/completions", body)
@@ -211,7 +211,7 @@ def test_metrics_and_flush(live, engine):
         assert name in text, name
     assert _idle(engine)
     assert live.request("/flush_cache", method="POST", raw=b"")[0] == 200
-    routes = {r.resource.canonical for r in Server(engine, NAME).app().router.routes()}
+    routes = {r.resource.canonical for r in Server(engine, RANDOM_NAME).app().router.routes()}
     assert "/metrics" not in routes and "/health" in routes   # off unless --enable-metrics, as in SGLang
 
 
@@ -265,9 +265,9 @@ def test_soak_with_disconnects(live, engine):
 
 def test_chat_plain_and_streaming(client):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
-    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0)
+    r = client.chat.completions.create(model=RANDOM_NAME, messages=msgs, max_tokens=6, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("length", "stop")
-    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+    chunks = list(client.chat.completions.create(model=RANDOM_NAME, messages=msgs, max_tokens=6, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -280,7 +280,7 @@ def test_chat_thinking_and_tools_are_accepted(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Weather in Paris?"}],
+    r = client.chat.completions.create(model=RANDOM_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=tools, max_tokens=5, temperature=0,
                                        extra_body={"chat_template_kwargs": {"thinking": True}})
     msg = r.choices[0].message
@@ -301,11 +301,11 @@ def test_structured_outputs(client, live):
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer",
               "minimum": 0, "maximum": 9}}, "required": ["color", "n"], "additionalProperties": False}
     r = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "JSON please"}], max_tokens=40, temperature=0.9, seed=3,
+        model=RANDOM_NAME, messages=[{"role": "user", "content": "JSON please"}], max_tokens=40, temperature=0.9, seed=3,
         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
     obj = json.loads(r.choices[0].message.content)
     assert obj["color"] in ("red", "green") and 0 <= obj["n"] <= 9 and set(obj) == {"color", "n"}
-    r = client.completions.create(model=NAME, prompt="Code:", max_tokens=20, temperature=1.0, seed=5,
+    r = client.completions.create(model=RANDOM_NAME, prompt="Code:", max_tokens=20, temperature=1.0, seed=5,
                                   extra_body={"regex": "[0-9]{3}-[a-z]{2}"})
     import re
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].text), r.choices[0].text
@@ -333,7 +333,7 @@ def test_tool_call_round_trip(client, stream):
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
-    kw = dict(model=NAME, messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=80,
+    kw = dict(model=RANDOM_NAME, messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=80,
               temperature=0, extra_body={"regex": re.escape(DSML_CALL)})
     if not stream:
         r = client.chat.completions.create(**kw)
@@ -353,7 +353,7 @@ def test_tool_call_round_trip(client, stream):
 
 
 def test_chat_logprobs_and_n(client):
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+    r = client.chat.completions.create(model=RANDOM_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        temperature=0.9, seed=11, n=2, logprobs=True, top_logprobs=2)
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 8
     content = r.choices[0].logprobs.content

@@ -38,10 +38,10 @@ def test_grammar_checks_drafts_before_they_are_fed():
     drafts the grammar refuses are dropped before the verify, and the output is the plain one."""
     import re
 
-    from serve.default_model import default_config, default_params
+    from serve.default_model import random_config, random_params
 
-    cfg = default_config()
-    params = default_params(cfg, draft=True)
+    cfg = random_config()
+    params = random_params(cfg, draft=True)
     base = dict(max_running=2, max_len=96, page_size=16, prefill_budget=64, decoder_replay="off")
     job = {"max_new_tokens": 10, "temperature": 0, "regex": "[a-z]{3,12}"}
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
