@@ -28,6 +28,18 @@ def add_model(ap: argparse.ArgumentParser, required: bool) -> None:
                         "columns (SGLang's block-fp8 MoE)")
 
 
+def add_offline_io(ap: argparse.ArgumentParser, line_in: str, line_out: str) -> None:
+    from pathlib import Path
+
+    io = ap.add_argument_group("input and output")
+    io.add_argument("--input", required=True, type=Path, help=f"JSONL, one {line_in} per line")
+    io.add_argument("--output", required=True, type=Path,
+                    help=f"JSONL, one {line_out} per line, in input order; written when the job is complete")
+    io.add_argument("--chunk", type=int, default=64, metavar="N",
+                    help="lines a process finishes and records at a time: a rerun after a crash resumes "
+                         "after its last recorded chunk (serve/offline_job.py)")
+
+
 def add_engine(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("scheduling")
     g.add_argument("--max-running-requests", "--max-running", dest="max_running", type=int, metavar="N", default=8,

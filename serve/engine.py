@@ -210,11 +210,7 @@ class Engine:
         (needs the loop running: ``start``); otherwise ``collect`` gathers the results."""
         if self.error is not None:
             raise RequestError(f"the engine failed: {self.error}", status=503)
-        ids, params = self._checked(prompt, params)
-        try:
-            grammar = compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
-        except GrammarError as e:
-            raise RequestError(str(e), e.param) from None
+        ids, params, grammar = self.validate(prompt, params, thinking)
         rid = rid or f"req-{next(self._ids)}"
         subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         handle = Handle(rid, subs, self._close)
@@ -232,6 +228,16 @@ class Engine:
                 self.scheduler.submit(req)
                 self._requests[sub] = req
         return handle
+
+    def validate(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, thinking: bool = False):
+        """``(token ids, SamplingParams, compiled grammar or None)`` of a request ``submit`` would
+        take; ``RequestError`` says why not. Queues nothing (offline jobs check every line first)."""
+        ids, params = self._checked(prompt, params)
+        try:
+            grammar = compile_grammar(params, self.cfg.vocab_size, self.eos_ids, THINK_END_ID if thinking else None)
+        except GrammarError as e:
+            raise RequestError(str(e), e.param) from None
+        return ids, params, grammar
 
     def _checked(self, prompt: list[int] | str, params: SamplingParams | dict | None
                  ) -> tuple[list[int], SamplingParams]:

@@ -3,7 +3,8 @@
 Each input line is ``{"input_ids": [...]}`` or ``{"text": "..."}`` with optional
 ``"sampling_params"`` (SGLang names). Each output line, in input order, is
 ``{"output_ids", "text", "finish_reason", "usage"}`` (``"choices"`` when ``n`` > 1).
-Inputs are validated before anything runs; the output file appears only when complete.
+Inputs are validated before anything runs. The job runs in recorded chunks, sharded over
+processes, resumable after a crash (``serve/offline_job.py``); the output appears only when complete.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_engine, add_model, engine_config
-from serve.jsonl import InputError, read_objects, write_jsonl
+from serve.cli_args import add_engine, add_model, add_offline_io, engine_config
+from serve.jsonl import InputError, read_objects
 
 
 def read_requests(path: Path) -> list[tuple[list[int] | str, dict]]:
@@ -33,9 +34,7 @@ def read_requests(path: Path) -> list[tuple[list[int] | str, dict]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__.splitlines()[0])
     add_model(ap, required=True)
-    io = ap.add_argument_group("input and output")
-    io.add_argument("--input", required=True, type=Path)
-    io.add_argument("--output", required=True, type=Path)
+    add_offline_io(ap, '{"input_ids": [...]} or {"text": ...}', '{"output_ids", "text", ...}')
     add_engine(ap)
     args = ap.parse_args(argv)
 
@@ -45,27 +44,30 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import ConfigError
     from serve.engine import Engine
     from serve.handle import RequestError
+    from serve.offline_job import OfflineJob
 
     try:
         requests = read_requests(args.input)
         config = engine_config(args)
         engine = Engine.from_model_dir(args.model, config, progress=True)
-        handles = []
         for n, (prompt, params) in enumerate(requests, 1):   # all validated before anything compiles
             try:
-                handles.append(engine.submit(prompt, params, stream=False))
+                engine.validate(prompt, params)
             except RequestError as e:
                 raise InputError(f"{args.input}: request {n}: {e}") from None
+        job = OfflineJob.for_this_process(args.output, requests, args.chunk)
     except (ConfigError, CheckpointError, InputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
-    total = sum(len(h.rids) for h in handles)
-    with tqdm(total=total, desc="generating", unit="req", file=sys.stderr) as bar:
-        results = engine.collect(handles, progress=bar)
-    write_jsonl(args.output, results)
+    with tqdm(total=job.share, initial=job.resumed_from, desc="generating", unit="req", file=sys.stderr) as bar:
+        for chunk in job.pending():
+            handles = [engine.submit(*requests[i], stream=False) for i in chunk]
+            job.record(engine.collect(handles))
+            bar.update(len(chunk))
+    job.finish()
     return 0
 
 

@@ -4,7 +4,8 @@ Each input line is ``{"input_ids": [...]}``; each output line is ``{"token_logpr
 [null, lp_1, ...]}``, the log-probability of every token given those before it. Inputs
 are validated up front (a bad line is reported with its number and nothing runs), then
 grouped into a few power-of-two length buckets, each jitted once, with a progress bar.
-The output is written to a temporary file and renamed only when complete. The work is
+The job runs in recorded chunks, sharded over processes, resumable after a crash
+(``serve/offline_job.py``); the output appears only when complete. The work is
 a ``Scorer`` (serve/batch_scoring.py) on the ``LoadedModel`` the engine would build: no engine,
 no KV pool.
 """
@@ -14,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_model
-from serve.jsonl import InputError, read_objects, write_jsonl
+from serve.cli_args import add_model, add_offline_io
+from serve.jsonl import InputError, read_objects
 
 
 def read_inputs(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
@@ -35,9 +36,7 @@ def read_inputs(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve.score", description=__doc__.splitlines()[0])
     add_model(ap, required=True)
-    io = ap.add_argument_group("input and output")
-    io.add_argument("--input", required=True, type=Path, help='JSONL, one {"input_ids": [...]} per line')
-    io.add_argument("--output", required=True, type=Path, help='JSONL, one {"token_logprobs": [...]} per line')
+    add_offline_io(ap, '{"input_ids": [...]}', '{"token_logprobs": [...]}')
     sc = ap.add_argument_group("scoring")
     sc.add_argument("--batch-size", type=int, default=8)
     sc.add_argument("--max-len", "--context-length", dest="max_len", type=int, default=4096,
@@ -52,17 +51,22 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import ConfigError, ModelConfig
     from serve.batch_scoring import Scorer
     from serve.loaded_model import LoadedModel
+    from serve.offline_job import OfflineJob
 
     try:
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
+        job = OfflineJob.for_this_process(args.output, sequences, args.chunk)
         model = LoadedModel.from_model_dir(args.model, args.dtype, args.quantization, progress=True)
     except (ConfigError, CheckpointError, InputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with tqdm(total=len(sequences), desc="scoring", unit="seq", file=sys.stderr) as bar:
-        results = Scorer(model).score(sequences, args.batch_size, bar)
-    write_jsonl(args.output, [{"token_logprobs": lp} for lp in results])
+    scorer = Scorer(model)
+    with tqdm(total=job.share, initial=job.resumed_from, desc="scoring", unit="seq", file=sys.stderr) as bar:
+        for chunk in job.pending():
+            job.record([{"token_logprobs": lp}
+                        for lp in scorer.score([sequences[i] for i in chunk], args.batch_size, bar)])
+    job.finish()
     return 0
 
 
