@@ -3,7 +3,8 @@
 Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-path``,
 ``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
-``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``); the names megajax's CLIs had before stay as aliases.
+``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``,
+``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -38,6 +39,27 @@ def add_offline_io(ap: argparse.ArgumentParser, line_in: str, line_out: str) -> 
     io.add_argument("--chunk", type=int, default=64, metavar="N",
                     help="lines a process finishes and records at a time: a rerun after a crash resumes "
                          "after its last recorded chunk (serve/offline_job.py)")
+
+
+def add_distributed(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("multi-process (jax.distributed)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="processes in the job (one per host)")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this process's rank, 0 .. N-1")
+    g.add_argument("--dist-init-addr", metavar="HOST:PORT", help="the coordinator (process 0) address")
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` as the flags ask (nothing for one process); ValueError names
+    a bad combination."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} is not in 0 .. --nnodes {args.nnodes} - 1")
+    if args.nnodes == 1:
+        return
+    if not args.dist_init_addr or ":" not in args.dist_init_addr:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's address)")
+    import jax
+
+    jax.distributed.initialize(args.dist_init_addr, args.nnodes, args.node_rank)
 
 
 def add_engine(ap: argparse.ArgumentParser) -> None:

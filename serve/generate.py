@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_engine, add_model, add_offline_io, engine_config
+from serve.cli_args import add_distributed, add_engine, add_model, add_offline_io, engine_config, init_distributed
 from serve.jsonl import InputError, read_objects
 
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model(ap, required=True)
     add_offline_io(ap, '{"input_ids": [...]} or {"text": ...}', '{"output_ids", "text", ...}')
     add_engine(ap)
+    add_distributed(ap)
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve.offline_job import OfflineJob
 
     try:
+        init_distributed(args)
         requests = read_requests(args.input)
         config = engine_config(args)
         engine = Engine.from_model_dir(args.model, config, progress=True)

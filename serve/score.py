@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serve.cli_args import add_model, add_offline_io
+from serve.cli_args import add_distributed, add_model, add_offline_io, init_distributed
 from serve.jsonl import InputError, read_objects
 
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--batch-size", type=int, default=8)
     sc.add_argument("--max-len", "--context-length", dest="max_len", type=int, default=4096,
                     help="the longest sequence (one forward, from an empty state)")
+    add_distributed(ap)
     args = ap.parse_args(argv)
     if args.batch_size <= 0 or args.max_len <= 0:
         ap.error("--batch-size and --max-len must be positive")
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve.offline_job import OfflineJob
 
     try:
+        init_distributed(args)
         cfg = ModelConfig.from_json(args.model)
         sequences = read_inputs(args.input, cfg.vocab_size, args.max_len)
         job = OfflineJob.for_this_process(args.output, sequences, args.chunk)

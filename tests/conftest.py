@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -136,3 +137,9 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("golden parity (max / median |logit diff|)")
         for key in sorted(REPORT):
             terminalreporter.write_line(f"{key}: {REPORT[key]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,23 +3,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-from conftest import ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import ROOT, free_port
 
 
 def test_default_server_serves_and_shuts_down_cleanly():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", str(port), "--no-warmup", "--context-length",
                              "512", "--page-size", "16", "--max-running-requests", "4", "--chunked-prefill-size",
                              "32", "--decoder-replay", "off"], cwd=ROOT, stdout=subprocess.PIPE,
@@ -56,7 +49,7 @@ def test_default_server_serves_and_shuts_down_cleanly():
 def test_fp8_experts_on_the_default_model_exit_with_the_reason():
     """``--quantization fp8`` needs expert sizes divisible by 128; the default model's are 64."""
     r = subprocess.run([sys.executable, "-m", "serve", "--quantization", "fp8", "--no-warmup", "--port",
-                        str(_free_port())], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                        str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 2 and "divisible by 128" in r.stderr, r.stderr[-2000:]
 
 
