@@ -4,7 +4,7 @@ Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-pat
 ``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
 ``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``,
-``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
+``--dp-size``, ``--ep-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -74,6 +74,12 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
                    help="wait for each step before planning the next")
     g.add_argument("--decoder-replay", choices=["approx", "exact", "off"], default="approx",
                    help="prefix hits replay the sliding window's tokens (approx: the window, exact: the halo)")
+    par = ap.add_argument_group("parallelism")
+    par.add_argument("--dp-size", type=int, default=1, metavar="N",
+                     help="data-parallel attention: the request slots and their KV split over N device groups")
+    par.add_argument("--ep-size", type=int, default=1, metavar="N",
+                     help="expert parallelism: the routed experts split over the N devices of each DP group, "
+                          "tokens sent to their experts by all-to-all (dp x ep devices in all)")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", choices=["DSPARK"],
                     help="DSPARK: the model's block draft (its mtp.* layers) proposes, the model verifies")
@@ -112,4 +118,5 @@ def engine_config(args: argparse.Namespace):
                         speculative_algorithm=args.speculative_algorithm,
                         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
                         speculative_fixed_verify=args.speculative_fixed_verify,
-                        speculative_accept_length=args.speculative_accept_length)
+                        speculative_accept_length=args.speculative_accept_length, dp_size=args.dp_size,
+                        ep_size=args.ep_size)

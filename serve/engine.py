@@ -39,6 +39,8 @@ from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, SpecOptions, StepInput, enable_compilation_cache
 from serve.speculative import SpecInput
+from sharding.mesh import MeshSpec
+from sharding.specs import shard_params
 from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 
@@ -69,6 +71,9 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     speculative_fixed_verify: bool = False
     speculative_accept_length: float | None = None
+    # data and expert parallelism over a (data, expert) mesh of dp x ep devices (sharding.mesh)
+    dp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self):
         model_dtype(self.dtype)   # (a bad name: ValueError)
@@ -88,6 +93,10 @@ class EngineConfig:
             raise ValueError("speculative_num_draft_tokens must be at least 1")
         if self.speculative_accept_length is not None and self.speculative_accept_length < 1:
             raise ValueError("speculative_accept_length counts the bonus token: at least 1")
+        self.mesh_spec   # (a bad size: ValueError)
+        if self.max_running % self.dp_size:
+            raise ValueError(f"--max-running-requests {self.max_running} must divide over --dp-size {self.dp_size}: "
+                             "each DP rank owns an equal share of the request slots")
         if self.prefill_budget is not None and self.prefill_budget <= self.max_running:
             raise ValueError(f"the chunked-prefill size ({self.prefill_budget}) must exceed max_running "
                              f"({self.max_running}): a step's decodes count against it")
@@ -108,7 +117,13 @@ class EngineConfig:
 
     @property
     def pages(self) -> int:
-        return self.num_pages or self.max_running * -(-self.max_len // self.page_size)
+        """KV pages in the pool: a multiple of ``dp_size`` (each DP rank holds an equal part)."""
+        pages = self.num_pages or self.max_running * -(-self.max_len // self.page_size)
+        return -(-pages // self.dp_size) * self.dp_size
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return MeshSpec(self.dp_size, self.ep_size)
 
 
 def _penalised(p: SamplingParams) -> bool:
@@ -131,6 +146,11 @@ class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, config: EngineConfig = EngineConfig(), tokenizer=None):
         enable_compilation_cache()
         self.model = LoadedModel.prepare(params, cfg, config.dtype, config.quantization)
+        # over several devices the weights are placed once, split by sharding.specs, for the steps and the scorer
+        self.mesh = None if config.mesh_spec.size == 1 else config.mesh_spec.build()
+        if self.mesh is not None:
+            self.model = dataclasses.replace(self.model, params=shard_params(self.model.params, self.model.cfg,
+                                                                              self.mesh))
         cfg, params, emap = self.model.cfg, self.model.params, self.model.engram_map
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
@@ -149,7 +169,7 @@ class Engine:
             log.info("%s: %s", op, path)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
-                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec)
+                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh)
         # Compile the smallest step now: its cost sizes the program budget, and a configuration
         # that cannot fit fails here, not at a later request (serve/programs.py).
         self.runner.programs.budget.cap(config.max_programs)

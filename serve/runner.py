@@ -21,12 +21,14 @@ as one array (``SampleOutput.packed``): one device-to-host copy a step instead o
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from mega import backend
 from model.batch import Batch
@@ -37,6 +39,7 @@ from model.state import ModelState, init_state, state_dtype
 from serve.programs import ProgramCache, shared_programs
 from serve.sampling import SampleOutput, SamplingArrays, sample
 from serve.speculative import SpecInput, speculate
+from sharding.specs import constrain_replicated, constrain_state, shard_state
 
 
 def _dense(lo: int, hi: int, step: int) -> tuple[int, ...]:
@@ -253,7 +256,7 @@ def _sample(state: DeviceState, logits, slots_in, sampling: SamplingArrays, ban,
     live = jnp.where(slots_in >= 0, slots_in, state.model.batch_size)
     counts = state.counts.at[live, out.tokens].add(1, mode="drop")
     last = state.last_token.at[live].set(out.tokens, mode="drop")
-    return state._replace(counts=counts, last_token=last), out.packed()
+    return constrain_state(state._replace(counts=counts, last_token=last)), out.packed()
 
 
 def _finish(params, state: DeviceState, out, slots, sampling, ban, engram_map, verify: Verify | None, *,
@@ -270,7 +273,7 @@ def _finish(params, state: DeviceState, out, slots, sampling, ban, engram_map, v
     m, bonus, rows = speculate(params, cfg, state.model, verify.old_hist, verify.fed, verify.positions, packed[:, 0],
                                verify.spec, sampling, engram_map, spec.num_drafts, spec.simulate)
     live = jnp.where(verify.spec.slot >= 0, verify.spec.slot, m.batch_size)
-    state = state._replace(model=m, last_token=state.last_token.at[live].set(bonus, mode="drop"))
+    state = constrain_state(state._replace(model=m, last_token=state.last_token.at[live].set(bonus, mode="drop")))
     rows = jnp.pad(rows, ((0, 0), (0, packed.shape[1] - rows.shape[1])))
     return state, jnp.concatenate([packed, rows])
 
@@ -293,7 +296,8 @@ def trunk_step(params, state: DeviceState, buffer: jax.Array, engram_map, *, lay
     state, batch = _admit(state, inp)
     verify = None if spec is None else Verify.of(inp, batch, state)
     cut, m = forward_trunk(params, cfg, state.model, batch, engram_map, keep, rows, taps=spec is not None)
-    return state._replace(model=m), Handoff(cut, cut.rows_of(inp.logit_rows), inp.logit_slots, inp.sampling, verify)
+    return (constrain_state(state._replace(model=m)),
+            constrain_replicated(Handoff(cut, cut.rows_of(inp.logit_rows), inp.logit_slots, inp.sampling, verify)))
 
 
 def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, engram_map, *, cfg: ModelConfig,
@@ -307,8 +311,12 @@ def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, engr
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
-                 window_fp8: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None):
-        self.params, self.cfg, self.engram_map = params, cfg, engram_map
+                 window_fp8: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None,
+                 mesh: Mesh | None = None):
+        """``mesh``: a (data, expert) mesh the ``params`` are already split over; the state is then
+        split over ``data`` (``sharding.specs``) and the steps trace under it, so the MoE sites
+        dispatch expert-parallel."""
+        self.params, self.cfg, self.engram_map, self.mesh = params, cfg, engram_map, mesh
         self.buckets, self.replay_keep, self.num_top, self.spec = buckets, replay_keep, num_top, spec
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
@@ -323,6 +331,8 @@ class ModelRunner:
         v = cfg.vocab_size
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
+        if mesh is not None:   # every state array is per slot or per page on its first axis
+            self.state = shard_state(self.state, mesh)
         self._no_ban: dict[int, jax.Array] = {}
         self.programs = programs or shared_programs()
         self.handoff_rows = buckets.replay[-1] if buckets.replay else 0
@@ -335,6 +345,10 @@ class ModelRunner:
     def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
         """Dispatch one step; returns its samples as ``SampleOutput.packed`` rows on the device,
         without waiting for them."""
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            return self._step(inp, replay_rows)
+
+    def _step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
         buffer, ban, layout = pack_input(inp)
         run, sig, cfg = self.programs.run, self.signature, self.cfg
         if replay_rows is None:

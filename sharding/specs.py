@@ -12,13 +12,16 @@ role here, and the param tree is a plain dict that ``param_specs`` already descr
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.params import build_tree, param_specs
-from model.state import ModelState
 from sharding.mesh import DATA, EXPERT
+
+S = TypeVar("S")
 
 
 def param_partition(cfg: ModelConfig, params: dict) -> dict:
@@ -30,15 +33,37 @@ def param_partition(cfg: ModelConfig, params: dict) -> dict:
     return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), by_path, params)
 
 
-def state_partition(state: ModelState) -> ModelState:
-    return jax.tree.map(lambda _: P(DATA), state)
+def state_partition(state: S) -> S:
+    """``P(data)`` for every array of a tree of per-request state: a ``ModelState``, or the
+    engine's state around one (sampling counts by slot); an empty array (a ratio-1 source's
+    pending tail) has nothing to split, and XLA places it whole."""
+    return jax.tree.map(lambda x: P(DATA) if x.size else P(), state)
+
+
+def constrain_state(state: S) -> S:
+    """In a step traced under a mesh with a ``data`` axis, the step's new state split as its input
+    was, so that a compiled step's outputs feed its next call as they are; elsewhere ``state``."""
+    return _constrain(state, state_partition(state))
+
+
+def constrain_replicated(tree: S) -> S:
+    """As ``constrain_state``, for what one program hands the next whole (every device a copy):
+    whichever program made it, the next takes it as compiled."""
+    return _constrain(tree, jax.tree.map(lambda _: P(), tree))
+
+
+def _constrain(tree, specs):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, specs)
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return _put(params, param_partition(cfg, params), mesh)
 
 
-def shard_state(state: ModelState, mesh: Mesh) -> ModelState:
+def shard_state(state: S, mesh: Mesh) -> S:
     return _put(state, state_partition(state), mesh)
 
 

@@ -10,7 +10,8 @@ prefilled whole, then one decode step each; the expert GEMMs group their rows di
 per rank, so the logits move by float rounding, which the fixture's near-ties (router gaps of
 1e-3, the Engram gate's square root at 0) can turn into a flipped choice: as in the parity
 tests, a shape whose logits differ must then equal the one-device forward with its weights
-moved by float noise (``conftest.noisy``), which shows the difference is such a flip.
+moved by float noise (``conftest.noisy``), which shows the difference is such a flip. The
+engine on each mesh (``--dp-size``/``--ep-size``) generates the one-device engine's tokens.
 """
 from __future__ import annotations
 
@@ -34,12 +35,21 @@ def test_mesh_needs_its_devices():
         MeshSpec(0, 2)
 
 
-@pytest.fixture(scope="module")
-def sharded_runs():
+def _in_child(part: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+    out = subprocess.run([sys.executable, __file__, part], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    return _in_child("forward")
+
+
+@pytest.fixture(scope="module")
+def engine_runs():   # a fresh process: the forward's programs would crowd the engine's program budget
+    return _in_child("engine")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dp{s[0]}-ep{s[1]}")
@@ -50,6 +60,27 @@ def test_sharded_forward_equals_one_device(sharded_runs, shape):
     assert got["agree"] or got["flip_draw"] is not None, got
     # an EP group of several ranks exchanges its pairs: two all-to-alls (x, ids, weights; back) per MoE site
     assert (got["all_to_alls"] > 0) == (shape[1] > 1), got
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dp{s[0]}-ep{s[1]}")
+def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
+    """``EngineConfig(dp_size, ep_size)`` (``--dp-size``/``--ep-size``): ``random-tiny``'s engine,
+    greedy, on a mixed batch (prompts of 5-90 tokens, a prefill chunked beside decodes)."""
+    got = engine_runs[f"{shape[0]}x{shape[1]}"]
+    assert got["tokens"] == engine_runs["one_device"], got
+    # (the programs' all-to-alls are no sign of EP here: XLA's partitioner adds its own for the
+    # data-split pools; the forward test above shows the MoE dispatch under the same mesh)
+    assert got["expert_shards"] == shape[1] and got["state_shards"] == shape[0], got
+
+
+def test_mesh_sizes_are_checked():
+    from serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="must divide over --dp-size 3"):
+        EngineConfig(max_running=8, dp_size=3)
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(ep_size=0)
+    assert EngineConfig(max_running=8, max_len=64, page_size=16, num_pages=7, dp_size=2).pages == 8
 
 
 def _child() -> dict:
@@ -112,6 +143,32 @@ def _child() -> dict:
     return results
 
 
+def _engine_runs() -> dict:
+    import numpy as np
+
+    from serve.default_model import random_config, random_params
+    from serve.engine import Engine, EngineConfig
+
+    cfg = random_config()
+    params = random_params(cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (5, 40, 17, 90)]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    def run(dp, ep):
+        e = Engine(params, cfg, EngineConfig(max_running=8, max_len=128, page_size=16, dp_size=dp, ep_size=ep))
+        return e, [r["output_ids"] for r in e.generate(prompts, sp, decode_text=False)]
+
+    out = {"one_device": run(1, 1)[1]}
+    for dp, ep in SHAPES:
+        e, tokens = run(dp, ep)
+        w1 = e.model.params["layers"][0]["moe"]["w1"]
+        out[f"{dp}x{ep}"] = {
+            "tokens": tokens, "expert_shards": len({str(s.index) for s in w1.addressable_shards}),
+            "state_shards": len({str(s.index) for s in e.runner.state.model.seq_lens.addressable_shards})}
+    return out
+
+
 if __name__ == "__main__":
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-    print(json.dumps(_child()))
+    print(json.dumps({"forward": _child, "engine": _engine_runs}[sys.argv[1]]()))
