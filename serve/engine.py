@@ -39,10 +39,10 @@ from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, SpecOptions, StepInput, enable_compilation_cache
 from serve.speculative import SpecInput
-from sharding.mesh import MeshSpec
-from sharding.specs import shard_params
 from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
+from sharding.mesh import MeshSpec
+from sharding.specs import shard_params
 
 THINK_END_ID = 128822  # `</think>` in the DeepSeek-V4 tokenizer (MODEL_SPEC §10)
 
