@@ -184,7 +184,7 @@ class Engine:
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache,
-                                   config.speculative_fixed_verify)
+                                   config.speculative_fixed_verify, config.dp_size)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
         self.stats = StepStats()
         self._ids = itertools.count()
@@ -222,14 +222,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the door
     def submit(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, *,
-               rid: str | None = None, thinking: bool = False, stream: bool = True) -> Handle:
+               rid: str | None = None, thinking: bool = False, stream: bool = True,
+               dp_rank: int | None = None) -> Handle:
         """Queue one client request: validated (here only), its constraint compiled (under
         ``thinking`` it starts after ``</think>``), fanned out to ``n`` samples (sample i seeded
         ``seed + i``, ids ``rid-i``), which share one turn in the scheduler's fair share and abort
         together. ``RequestError`` says why not. ``stream``: deltas go to ``Handle.deltas``
-        (needs the loop running: ``start``); otherwise ``collect`` gathers the results."""
+        (needs the loop running: ``start``); otherwise ``collect`` gathers the results.
+        ``dp_rank``: the DP rank to run it on (a router's ``data_parallel_rank``), else the
+        scheduler's choice."""
         if self.error is not None:
             raise RequestError(f"the engine failed: {self.error}", status=503)
+        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.config.dp_size):
+            raise RequestError(f"data_parallel_rank must be an integer in [0, {self.config.dp_size}) "
+                               f"(--dp-size {self.config.dp_size}), got {dp_rank!r}", "data_parallel_rank")
         ids, params, grammar = self.validate(prompt, params, thinking)
         rid = rid or f"req-{next(self._ids)}"
         subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
@@ -241,7 +247,7 @@ class Engine:
             for i, sub in enumerate(subs):
                 p = params if params.n == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
                 req = Request(sub, ids, p, next(self._ids), group=rid, handle=handle if stream else None, index=i,
-                              spec=self.runner.spec is not None and not _penalised(p))
+                              spec=self.runner.spec is not None and not _penalised(p), dp_rank=dp_rank)
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 if stream:
                     req.detok = Detokenizer(self.decode)
@@ -333,26 +339,37 @@ class Engine:
             return len({id(r.handle) for r in self._requests.values() if r.handle is not None})
 
     def load(self) -> dict:
-        """The scheduler's state now, for ``/metrics``, ``/get_load`` and admission control."""
+        """The scheduler's state now, for ``/metrics``, ``/get_load`` and admission control: the
+        totals, and under DP attention each rank's (``dp_ranks``)."""
         with self._lock:
             s = self.scheduler
-            radix = s.radix
-            out = {"num_running_reqs": len(s.running), "num_queue_reqs": len(s.waiting),
-                   "num_used_tokens": s.used_pages * s.page_size, "token_usage": s.used_pages / s.pool.num_pages,
-                   "cache_hit_rate": radix.stats["hit_rate"] if radix is not None else 0.0}
+            out = self._load_of(s.ranks, s.running, s.waiting)
             if self.runner.spec is not None:   # tokens a verify step yields, the bonus included
                 out["spec_accept_length"] = self.stats.accepted / max(self.stats.verifies, 1)
+            if len(s.ranks) > 1:
+                out["dp_ranks"] = [{"dp_rank": r.index, **self._load_of(
+                    [r], [q for q in s.running if q.rank == r.index],
+                    [q for q in s.waiting if q.dp_rank == r.index])} for r in s.ranks]
             return out
+
+    def _load_of(self, ranks, running, waiting) -> dict:
+        used = sum(r.used_pages for r in ranks)
+        radixes = [r.radix for r in ranks if r.radix is not None]
+        prompt = sum(x.stats["prompt_tokens"] for x in radixes)
+        return {"num_running_reqs": len(running), "num_queue_reqs": len(waiting),
+                "num_used_tokens": used * self.config.page_size,
+                "token_usage": used / sum(r.pool.num_pages for r in ranks),
+                "cache_hit_rate": sum(x.stats["cached_tokens"] for x in radixes) / prompt if prompt else 0.0}
 
     def flush_cache(self) -> str | None:
         """Drop the prefix cache; why it cannot be dropped now (requests in flight), or None."""
         with self._lock:
-            radix = self.scheduler.radix
-            if radix is None:
+            if not self.config.prefix_cache:
                 return None
             if self.scheduler.running or self.scheduler.waiting:
                 return "cannot flush the cache while requests are running"
-            self.scheduler.pool.give(radix.reset())
+            for rank in self.scheduler.ranks:
+                rank.pool.give(rank.radix.reset())
             return None
 
     def control_tokens(self) -> list[str]:

@@ -62,6 +62,12 @@ class Metrics:
                           f"sglang:{name}{{{self.labels}}} {value}"]
             for h in (self.ttft, self.itl, self.e2e, self.accept):
                 lines += h.render(self.labels)
+        # one series per DP rank (``Engine.load``'s ``dp_ranks``); engine-wide gauges under rank 0
+        ranks = gauges.get("dp_ranks") or [{"dp_rank": 0}]
         for name, value in gauges.items():
-            lines += [f"# TYPE sglang:{name} gauge", f'sglang:{name}{{{self.labels},dp="0"}} {value}']
+            if name == "dp_ranks":
+                continue
+            lines.append(f"# TYPE sglang:{name} gauge")
+            per_rank = [(r["dp_rank"], r[name]) for r in ranks if name in r] or [(0, value)]
+            lines += [f'sglang:{name}{{{self.labels},dp="{i}"}} {v}' for i, v in per_rank]
         return "\n".join(lines) + "\n"

@@ -62,6 +62,10 @@ class RadixCache:
         node, pages = self._descend(self._aligned(tokens, len(tokens)))
         return PrefixMatch(len(pages) * self.page_size, tuple(pages), node)
 
+    def prefix_length(self, tokens: Sequence[int]) -> int:
+        """The tokens ``match_prefix`` would match, leaving the tree and its LRU clock untouched."""
+        return len(self._descend(self._aligned(tokens, len(tokens)), probe=True)[1]) * self.page_size
+
     def lock(self, node: _Node) -> None:
         for n in self._path(node):
             if n.lock_ref == 0:
@@ -146,11 +150,12 @@ class RadixCache:
     def _aligned(self, tokens: Sequence[int], n: int) -> tuple[int, ...]:
         return tuple(map(int, tokens[:n - n % self.page_size]))
 
-    def _descend(self, toks: tuple[int, ...]) -> tuple[_Node, list[int]]:
+    def _descend(self, toks: tuple[int, ...], probe: bool = False) -> tuple[_Node, list[int]]:
         """Follow `toks` (page-aligned) as far as the tree holds it, splitting the last edge if the match ends
-        inside it, and stamp the path. Returns the end node and the pages along the path."""
+        inside it, and stamp the path. Returns the end node and the pages along the path. ``probe``: only
+        the pages (no split, no stamp; the node is the last one passed whole)."""
         ps = self.page_size
-        self._clock += 1
+        self._clock += not probe
         node, pages, i = self._root, [], 0
         while i < len(toks):
             child = node.children.get(toks[i:i + ps])
@@ -160,8 +165,12 @@ class RadixCache:
             while n < len(child.key) and i + n < len(toks) and child.key[n:n + ps] == toks[i + n:i + n + ps]:
                 n += ps
             if n < len(child.key):
+                if probe:
+                    pages += child.pages[:n // ps]
+                    break
                 child = self._split(child, n)
-            child.last_access = self._clock
+            if not probe:
+                child.last_access = self._clock
             pages += child.pages
             node, i = child, i + n
         return node, pages

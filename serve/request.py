@@ -21,6 +21,8 @@ class Request:
     finish_reason: str | None = None
     matched_stop: Any = None
     slot: int | None = None
+    rank: int | None = None  # the DP rank holding its slot and pages (serve.scheduler)
+    dp_rank: int | None = None  # the DP rank a router asked for (``data_parallel_rank``), or None
     pages: list[int] = field(default_factory=list)
     shared_pages: int = 0  # leading pages borrowed from the radix cache
     computed: int = 0  # tokens fed to the device (its seq_len once the in-flight steps land)

@@ -23,6 +23,14 @@ a page-aligned hit longer than the window is adopted and the request restarts ``
 tokens before the hit end (encoder replay rebuilds the window rings there; the cached
 compressed entries are kept). A request needs a slot (its window rings and tails) and
 pages (its compressed KV), which is the layout of ``model.state``.
+
+DP attention (``dp`` > 1, ``sharding.mesh``): the device state is split over ``data`` on its
+first axis, so slots and pages come in ``dp`` equal contiguous ranges, one per rank. A
+``DpRank`` owns its range of each, and its own radix cache over its pages: a request lives on
+one rank, and retraction frees memory on the rank that ran out. A new request goes to the rank
+a router named (``data_parallel_rank``, as SGLang's gateway sends in its ``dp-aware`` mode),
+else to the rank holding its longest cached prefix (past the window), else to the rank with
+the fewest requests (shortest queue), then the most free pages.
 """
 from __future__ import annotations
 
@@ -34,9 +42,9 @@ from serve.request import Request
 
 
 class PagePool:
-    def __init__(self, num_pages: int):
-        self.free = list(range(num_pages - 1, -1, -1))
-        self.num_pages = num_pages
+    def __init__(self, pages: range):
+        self.free = list(reversed(pages))
+        self.num_pages = len(pages)
 
     def take(self, n: int) -> list[int] | None:
         if n > len(self.free):
@@ -47,6 +55,31 @@ class PagePool:
 
     def give(self, pages) -> None:
         self.free.extend(pages)
+
+
+class DpRank:
+    """One DP rank's share of the engine: its slots, its pages and its prefix cache over them."""
+
+    def __init__(self, index: int, slots: range, pages: range, page_size: int, prefix_cache: bool):
+        self.index = index
+        self.free_slots = list(reversed(slots))
+        self.pool = PagePool(pages)
+        self.radix = RadixCache(page_size) if prefix_cache else None
+
+    def grab(self, n: int) -> list[int] | None:
+        pages = self.pool.take(n)
+        if pages is None and self.radix is not None:
+            self.pool.give(self.radix.evict(n - len(self.pool.free)))
+            pages = self.pool.take(n)
+        return pages
+
+    @property
+    def evictable(self) -> int:
+        return self.radix.evictable_pages if self.radix is not None else 0
+
+    @property
+    def used_pages(self) -> int:
+        return self.pool.num_pages - len(self.pool.free) - self.evictable
 
 
 @dataclass
@@ -61,32 +94,31 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,
-                 max_len: int, prefix_cache: bool, fixed_verify: bool = False):
+                 max_len: int, prefix_cache: bool, fixed_verify: bool = False, dp: int = 1):
         self.page_size, self.window, self.max_len = page_size, window, max_len
         self.prefill_budget, self.max_running = prefill_budget, max_running
         self.fixed_verify = fixed_verify  # verify every draft, even past max_new_tokens (benchmarks)
-        self.pool = PagePool(num_pages)
-        self.radix = RadixCache(page_size) if prefix_cache else None
-        self.free_slots = list(range(max_running - 1, -1, -1))
+        if max_running % dp or num_pages % dp:
+            raise ValueError(f"{max_running} slots and {num_pages} pages do not split over {dp} DP ranks")
+        slots, pages = max_running // dp, num_pages // dp
+        self.ranks = [DpRank(r, range(r * slots, (r + 1) * slots), range(r * pages, (r + 1) * pages), page_size,
+                             prefix_cache) for r in range(dp)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admissions = 0
         self.retractions = 0
+        self.starved: DpRank | None = None  # the rank whose decode found no page (``schedule`` returned None)
+
+    def rank_of(self, req: Request) -> DpRank:
+        return self.ranks[req.rank]
 
     # ------------------------------------------------------------------ pages
-    def _grab(self, n: int) -> list[int] | None:
-        pages = self.pool.take(n)
-        if pages is None and self.radix is not None:
-            self.pool.give(self.radix.evict(n - len(self.pool.free)))
-            pages = self.pool.take(n)
-        return pages
-
     def _reserve(self, req: Request, upto: int) -> bool:
         """Own pages covering positions ``< upto``."""
         need = -(-upto // self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        pages = self._grab(need)
+        pages = self.rank_of(req).grab(need)
         if pages is None:
             return False
         req.pages += pages
@@ -94,8 +126,11 @@ class Scheduler:
 
     @property
     def used_pages(self) -> int:
-        cached = self.radix.evictable_pages if self.radix is not None else 0
-        return self.pool.num_pages - len(self.pool.free) - cached
+        return sum(r.used_pages for r in self.ranks)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(len(r.free_slots) for r in self.ranks)
 
     # ------------------------------------------------------------------ lifecycle
     def submit(self, req: Request) -> None:
@@ -103,26 +138,29 @@ class Scheduler:
         if total > self.max_len:
             raise ValueError(f"prompt of {len(req.prompt)} tokens plus max_new_tokens "
                              f"{req.params.max_new_tokens} exceeds the context length {self.max_len}")
-        if -(-total // self.page_size) > self.pool.num_pages:
-            raise ValueError(f"the page pool ({self.pool.num_pages} pages) cannot hold a request of {total} tokens")
+        per_rank = self.ranks[0].pool.num_pages
+        if -(-total // self.page_size) > per_rank:
+            where = f"{per_rank} pages" + (" per DP rank" if len(self.ranks) > 1 else "")
+            raise ValueError(f"the page pool ({where}) cannot hold a request of {total} tokens")
         self.waiting.append(req)
 
     def release(self, req: Request, cache: bool) -> None:
         """Free a request's slot and pages; with ``cache`` its full pages go to the radix cache."""
-        pages = req.pages[req.shared_pages:]  # the prefix-hit pages belong to the radix cache
-        if self.radix is not None:
-            if cache:
-                full = min(req.computed, len(req.ids)) // self.page_size
-                _, dup = self.radix.insert(req.ids[:full * self.page_size], req.pages[:full])
-                self.pool.give(dup)
-                pages = req.pages[max(full, req.shared_pages):]
-            if req.radix_node is not None:
-                self.radix.unlock(req.radix_node)
-        self.pool.give(pages)
+        if req.rank is not None:
+            rank = self.rank_of(req)
+            pages = req.pages[req.shared_pages:]  # the prefix-hit pages belong to the radix cache
+            if rank.radix is not None:
+                if cache:
+                    full = min(req.computed, len(req.ids)) // self.page_size
+                    _, dup = rank.radix.insert(req.ids[:full * self.page_size], req.pages[:full])
+                    rank.pool.give(dup)
+                    pages = req.pages[max(full, req.shared_pages):]
+                if req.radix_node is not None:
+                    rank.radix.unlock(req.radix_node)
+            rank.pool.give(pages)
+            rank.free_slots.append(req.slot)
         req.pages, req.radix_node, req.shared_pages = [], None, 0
-        if req.slot is not None:
-            self.free_slots.append(req.slot)
-            req.slot = None
+        req.slot = req.rank = None
         if req in self.running:
             self.running.remove(req)
 
@@ -132,25 +170,48 @@ class Scheduler:
         self.retractions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, req: Request) -> int:
-        """Give ``req`` a slot and its prefix hit; returns the first position to compute."""
-        req.slot = self.free_slots.pop()
+    def _usable(self, req: Request) -> list[int] | None:
+        """The prompt tokens a prefix hit may cover (None: no hit allowed)."""
+        # A hit skips the prompt rows before it, which the repetition penalty would have to see: no hit then.
+        if req.params.repetition_penalty != 1.0:
+            return None
+        return req.ids[:(len(req.ids) - 1) // self.page_size * self.page_size]  # always compute the last token
+
+    def _place(self, req: Request, budget: int) -> DpRank | None:
+        """The rank to admit ``req`` on now (module docstring), or None when none can take it."""
+        first_pages = -(-min(len(req.ids), budget) // self.page_size)
+        fits = [r for r in self.ranks if r.free_slots and first_pages <= len(r.pool.free) + r.evictable
+                and req.dp_rank in (None, r.index)]
+        if len(fits) < 2:
+            return fits[0] if fits else None
+        usable = self._usable(req)
+        load = {r.index: 0 for r in self.ranks}
+        for other in self.running:
+            load[other.rank] += 1
+
+        def hit(r: DpRank) -> int:
+            n = r.radix.prefix_length(usable) if r.radix is not None and usable else 0
+            return n if n > self.window else 0
+        return min(fits, key=lambda r: (-hit(r), load[r.index], -len(r.pool.free), r.index))
+
+    def _admit(self, req: Request, rank: DpRank) -> int:
+        """Give ``req`` a slot on ``rank`` and its prefix hit there; the first position to compute."""
+        req.rank, req.slot = rank.index, rank.free_slots.pop()
         req.admitted_at = self._admissions
         self._admissions += 1
         req.admissions += 1
         req.recount_upto = len(req.ids)
         start = 0
-        # A hit skips the prompt rows before it, which the repetition penalty would have to see: no hit then.
-        if self.radix is not None and req.params.repetition_penalty == 1.0:
-            usable = (len(req.ids) - 1) // self.page_size * self.page_size  # always compute the last token
-            m = self.radix.match_prefix(req.ids[:usable])
+        radix = rank.radix
+        if radix is not None and (usable := self._usable(req)) is not None:
+            m = radix.match_prefix(usable)
             if m.length > self.window:
-                self.radix.lock(m.node)
+                radix.lock(m.node)
                 req.radix_node, req.pages, req.shared_pages = m.node, list(m.pages), len(m.pages)
                 req.cached_tokens = min(m.length, len(req.prompt))
                 start = m.length - self.window
-        if self.radix is not None and req.admissions == 1:
-            self.radix.record_request(len(req.prompt), req.cached_tokens)
+        if radix is not None and req.admissions == 1:
+            radix.record_request(len(req.prompt), req.cached_tokens)
         req.computed = start
         self.running.append(req)
         return start
@@ -159,6 +220,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk] | None:
         """The next step's chunks; None when a decode needs a page that only retraction can free."""
         chunks: list[Chunk] = []
+        self.starved = None
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if req.finished or req.prefilling:
                 continue
@@ -166,6 +228,7 @@ class Scheduler:
                 continue  # its next mask, or its next drafts, need the step still in flight
             drafts = self._drafts(req)
             if not self._reserve(req, req.computed + 1 + len(drafts)):
+                self.starved = self.rank_of(req)
                 return None
             chunks.append(Chunk(req, req.computed, 1 + len(drafts), True, False, drafts))
         budget = self.prefill_budget - sum(c.n for c in chunks)  # the step's decodes count (its token bucket)
@@ -186,10 +249,11 @@ class Scheduler:
             if req.finished:
                 self.waiting.remove(req)
                 continue
-            if -(-min(len(req.ids), budget) // self.page_size) > len(self.pool.free) + self._evictable():
+            rank = self._place(req, budget)
+            if rank is None:
                 break
             self.waiting.remove(req)
-            self._admit(req)
+            self._admit(req, rank)
             chunk = self._prefill_chunk(req, budget, fresh=True)
             if chunk is None:  # could not get pages after all: back to the queue
                 self.retract(req)
@@ -216,9 +280,6 @@ class Scheduler:
         held = [(running.get(r.group or r.rid, 0), i, r) for i, r in enumerate(self.waiting)]
         return min(((n, i, r) for n, i, r in held if n < cap or r.finished), default=(0, 0, None))[2]
 
-    def _evictable(self) -> int:
-        return self.radix.evictable_pages if self.radix is not None else 0
-
     def _prefill_chunk(self, req: Request, budget: int, fresh: bool) -> Chunk | None:
         n = min(budget, len(req.ids) - req.computed)
         if not self._reserve(req, req.computed + n):
@@ -226,6 +287,7 @@ class Scheduler:
         return Chunk(req, req.computed, n, req.computed + n == len(req.ids), fresh)
 
     def victim(self) -> Request | None:
-        """The request to retract when memory runs out: the most recently admitted one."""
-        live = [r for r in self.running if not r.finished]
+        """The request to retract when memory runs out: the most recently admitted one on the
+        rank that ran out."""
+        live = [r for r in self.running if not r.finished and (self.starved is None or r.rank == self.starved.index)]
         return max(live, key=lambda r: r.admitted_at) if live else None

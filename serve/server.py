@@ -175,16 +175,19 @@ class Server:
         return prompt
 
     async def _submit(self, request: web.Request, ids: list[int], params: SamplingParams,
-                      fields: dict[str, str], thinking: bool = False, rid: str | None = None) -> Handle:
+                      fields: dict[str, str], thinking: bool = False, rid: str | None = None,
+                      body: dict | None = None) -> Handle:
         """Through the engine's door, off the event loop (a constraint may compile for a while,
         within SUBMIT_TIMEOUT_S); its refusals as 4xx, their fields renamed to this API's
-        (``fields``). The handle closes when the HTTP request ends (``_errors``)."""
+        (``fields``). The handle closes when the HTTP request ends (``_errors``). ``body``: the
+        request's JSON, for the DP rank a router may name in it (``data_parallel_rank``)."""
         if not self.ready:
             raise ApiError(503, "the server is not ready or is shutting down")
         if self.engine.load()["num_queue_reqs"] + params.n > self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
         job = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.engine.submit, ids, params, rid=rid, thinking=thinking))
+            None, functools.partial(self.engine.submit, ids, params, rid=rid, thinking=thinking,
+                                    dp_rank=typed(body or {}, "data_parallel_rank", int)))
         try:
             handle = await asyncio.wait_for(asyncio.shield(job), SUBMIT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -253,7 +256,7 @@ class Server:
         include_usage = typed(typed(body, "stream_options", dict, {}), "include_usage", bool, False)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        choices = self._choices(await self._submit(request, ids, params, OPENAI_FIELDS))
+        choices = self._choices(await self._submit(request, ids, params, OPENAI_FIELDS, body=body))
         if stream:
             resp = await self._sse(request)
             usage = _Usage()
@@ -305,7 +308,7 @@ class Server:
                 "chat.completion", "created": int(time.time()), "model": self.model_name}
         parsers = [OutputParser(thinking, tools_enabled=bool(tools) and tool_choice != "none")
                    for _ in range(params.n)]
-        handle = await self._submit(request, ids, params, OPENAI_FIELDS, thinking)
+        handle = await self._submit(request, ids, params, OPENAI_FIELDS, thinking, body=body)
         usage = _Usage()
 
         def finish_reason(i: int, d: dict) -> str | None:
@@ -388,7 +391,8 @@ class Server:
         acc: dict[int, dict] = {}
         stream = typed(body, "stream", bool, False)
         prompt_field = "text" if "text" in body else "input_ids"
-        choices = self._choices(await self._submit(request, ids, params, {"prompt": prompt_field}, rid=rid))
+        choices = self._choices(await self._submit(request, ids, params, {"prompt": prompt_field}, rid=rid,
+                                                   body=body))
         resp = await self._sse(request) if stream else None
         async for i, d in (choices if resp is None else _guarded(resp, choices)):
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "top": []})
@@ -451,7 +455,7 @@ class Server:
 
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.engine.config
-        return web.json_response({"model": self.model_name,
+        return web.json_response({"model": self.model_name, "dp_size": c.dp_size,   # the gateway's dp-aware mode reads it
                                   "engine_config": c.__dict__ | {"pages": c.pages, "step_tokens": c.step_tokens,
                                                                  "model_dtype": c.model_dtype.name},
                                   "kernel_paths": self.engine.kernel_paths,

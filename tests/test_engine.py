@@ -63,7 +63,7 @@ def test_greedy_equals_plain_forward(tiny, prompts, reference, overlap):
     reqs = _staggered(engine, prompts)
     assert [r.output for r in reqs] == reference
     assert all(r.finish_reason == "length" for r in reqs)
-    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4  # nothing leaks
+    assert engine.scheduler.used_pages == 0 and engine.scheduler.free_slots == 4  # nothing leaks
 
 
 def test_mixed_workload_compiles_within_buckets(tiny):
@@ -178,7 +178,7 @@ def test_abort_frees_everything(tiny, prompts):
     engine.run_until_idle()
     s = engine.scheduler
     assert all(engine._requests[r].finish_reason == "abort" for r in rids)
-    assert not s.running and not s.waiting and len(s.pool.free) == s.pool.num_pages and len(s.free_slots) == 4
+    assert not s.running and not s.waiting and len(s.ranks[0].pool.free) == s.ranks[0].pool.num_pages and s.free_slots == 4
 
 
 def test_abort_takes_the_exact_id_or_its_samples(tiny, prompts):
@@ -208,7 +208,7 @@ def test_page_exhaustion_queues_and_retracts(tiny, prompts, overlap):
     tight = _staggered(engine, prompts[:3], params)
     assert engine.scheduler.retractions > 0
     assert [r.output for r in tight] == [r.output for r in roomy]  # penalties and seeds survive recomputation
-    assert len(engine.scheduler.pool.free) == 5
+    assert len(engine.scheduler.ranks[0].pool.free) == 5
 
 
 def test_seeds_reproduce_across_batches(tiny, prompts):
@@ -263,7 +263,7 @@ def test_prefix_cache_multi_turn(tiny, prompts):
     hit = engine.generate([turn2], GREEDY, decode_text=False)[0]
     cold = _engine(tiny).generate([turn2], GREEDY, decode_text=False)[0]
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 3 full pages of 16
-    assert engine.scheduler.radix.stats["cached_tokens"] == 48
+    assert engine.scheduler.ranks[0].radix.stats["cached_tokens"] == 48
     same = np.mean([a == b for a, b in zip(hit["output_ids"], cold["output_ids"])])
     REPORT["prefix hit vs cold (multi-turn, greedy tokens equal)"] = f"{same:.0%}"
     assert hit["output_ids"][0] == cold["output_ids"][0]
@@ -275,7 +275,7 @@ def test_prefix_cache_eviction_keeps_serving(tiny):
     prompts = [rng.integers(3, 512, size=40).tolist() for _ in range(6)]
     res = engine.generate(prompts + prompts[:2], {**GREEDY, "max_new_tokens": 4}, decode_text=False)
     assert all(r["finish_reason"] == "length" for r in res)
-    assert engine.scheduler.radix.cached_pages <= 8
+    assert engine.scheduler.ranks[0].radix.cached_pages <= 8
 
 
 def test_generate_cli(tmp_path, tiny, prompts, reference):
@@ -316,7 +316,7 @@ def test_async_stream_and_disconnect(tiny, prompts, reference):
             break
         time.sleep(0.05)
     engine.stop()
-    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+    assert engine.scheduler.used_pages == 0 and engine.scheduler.free_slots == 4
 
 
 def test_streamed_fan_out_ends_each_sample_exactly_once(tiny, prompts):

@@ -140,6 +140,8 @@ def test_native_generate_streams_cumulative_text(live):
     ({"model": RANDOM_NAME, "prompt": list(range(3, 600))}, 400, "messages"),
     ({"model": RANDOM_NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": RANDOM_NAME, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": RANDOM_NAME, "prompt": "x", "data_parallel_rank": 1}, 400, "data_parallel_rank"),   # --dp-size 1
+    ({"model": RANDOM_NAME, "prompt": "x", "data_parallel_rank": "0"}, 400, "data_parallel_rank"),
 ])
 def test_bad_requests_get_openai_envelopes(live, engine, body, status, param):
     code, text, _ = live.request("/v1/completions", body)
@@ -176,7 +178,7 @@ def test_disconnect_mid_stream_frees_memory(live, engine):
     assert b"data:" in s.recv(4096) or b"data:" in s.recv(4096)
     s.close()
     assert _idle(engine), "the disconnected request was not aborted"
-    assert engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+    assert engine.scheduler.used_pages == 0 and engine.scheduler.free_slots == 4
 
 
 def test_abort_request_by_exact_rid(live, engine):
@@ -200,6 +202,15 @@ def test_abort_request_by_exact_rid(live, engine):
         assert other["finish_reason"] == {"type": "length", "length": 200}
     assert live.request("/abort_request", {})[0] == 400
     assert _idle(engine)
+
+
+def test_a_named_dp_rank_and_the_load_report(live):
+    code, text, _ = live.request("/v1/completions", {"model": RANDOM_NAME, "prompt": "x", "max_tokens": 2,
+                                                      "data_parallel_rank": 0})
+    assert code == 200, text
+    assert json.loads(live.request("/get_server_info")[1])["dp_size"] == 1
+    load = json.loads(live.request("/get_load")[1])
+    assert {"num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"} <= set(load) and "dp_ranks" not in load
 
 
 def test_metrics_and_flush(live, engine):
@@ -259,7 +270,7 @@ def test_soak_with_disconnects(live, engine):
     t0 = time.time()
     statuses = asyncio.run(burst())
     assert all(s in (None, 200) for s in statuses)
-    assert _idle(engine) and engine.scheduler.used_pages == 0 and len(engine.scheduler.free_slots) == 4
+    assert _idle(engine) and engine.scheduler.used_pages == 0 and engine.scheduler.free_slots == 4
     assert time.time() - t0 < 30
 
 

@@ -71,6 +71,10 @@ def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
     # (the programs' all-to-alls are no sign of EP here: XLA's partitioner adds its own for the
     # data-split pools; the forward test above shows the MoE dispatch under the same mesh)
     assert got["expert_shards"] == shape[1] and got["state_shards"] == shape[0], got
+    # DP attention: the scheduler spread the four requests over the ranks (shortest queue)
+    assert len(got["per_rank"]) == shape[0] and sum(got["per_rank"]) == 4, got
+    assert max(got["per_rank"]) - min(got["per_rank"]) <= 1, got
+    assert got["load_ranks"] == list(range(shape[0])), got   # /get_load reports each rank
 
 
 def test_mesh_sizes_are_checked():
@@ -165,7 +169,9 @@ def _engine_runs() -> dict:
         w1 = e.model.params["layers"][0]["moe"]["w1"]
         out[f"{dp}x{ep}"] = {
             "tokens": tokens, "expert_shards": len({str(s.index) for s in w1.addressable_shards}),
-            "state_shards": len({str(s.index) for s in e.runner.state.model.seq_lens.addressable_shards})}
+            "state_shards": len({str(s.index) for s in e.runner.state.model.seq_lens.addressable_shards}),
+            "per_rank": [r.radix.stats["requests"] for r in e.scheduler.ranks],
+            "load_ranks": [r["dp_rank"] for r in e.load().get("dp_ranks", [{"dp_rank": 0}])]}
     return out
 
 
