@@ -1,7 +1,8 @@
 """Engram: gated injection of n-gram table rows into the hyper-connection streams (§3.10).
 
-The op looks the hashed rows up (fp8 tables are dequantised with their per-32 scales;
-float tables are used as stored), projects them with ``wkv`` into one key per stream plus
+``lookup_rows`` gathers the hashed rows (fp8 tables are dequantised with their per-32
+scales; float tables are used as stored); the caller looks them up where its table lives
+(``sharding.engram_tables``). The op projects them with ``wkv`` into one key per stream plus
 a shared value, and adds ``g_k * v`` to each stream with the signed-sqrt sigmoid gate.
 Like the mHC step it first applies the previous sublayer's pending update, because the
 injection sits between that expand and the next site's mix.
@@ -28,12 +29,12 @@ def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -
 
 
 @jax.named_scope("engram")  # prefixes its ops' names in HLO dumps and XProf
-def engram(residual: jnp.ndarray, update: Update | None, hash_ids: jnp.ndarray, p: dict, *,
+def engram(residual: jnp.ndarray, update: Update | None, rows: jnp.ndarray, p: dict, *,
            eps: float) -> jnp.ndarray:
-    """Streams ``[T, hc, D]`` after the pending update and the Engram injection."""
+    """Streams ``[T, hc, D]`` after the pending update and the Engram injection of ``rows``
+    (``lookup_rows`` of the tokens' hashed ids in ``p``'s table)."""
     residual = hc_expand(residual, update)
     t, hc, d = residual.shape
-    rows = lookup_rows(p["table"], p["scale"], hash_ids)
     # With a bf16 wkv and a bf16 table, or an e4m3 one with its power-of-two (UE8M0) scales,
     # every operand is exact in bf16: the projection then runs on bf16 operands with fp32
     # accumulation (the tensor cores, not fp32 FMAs: on the H200, a 4096-token step's projection

@@ -2,8 +2,8 @@
 
 Parameters: ``model.params.param_specs`` says what every parameter is; a routed expert stack
 (role ``expert``, one slice per expert on axis 0) is split over ``expert``, whatever format
-holds it (a quantised stack's every array keeps the expert axis first); everything else is
-replicated. State: every array of ``model.state.ModelState`` is per request on its first
+holds it (a quantised stack's every array keeps the expert axis first); the Engram tables are
+split by rows over the whole grid (``sharding.engram_tables``); everything else is replicated. State: every array of ``model.state.ModelState`` is per request on its first
 axis (slots, or the pages the slots own: ``init_state`` gives each slot contiguous pages), so
 it is split over ``data``.
 
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.params import build_tree, param_specs
+from sharding import engram_tables
 from sharding.mesh import DATA, EXPERT
 
 S = TypeVar("S")
@@ -60,7 +61,11 @@ def _constrain(tree, specs):
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    return _put(params, param_partition(cfg, params), mesh)
+    """``params`` placed on ``mesh``: as ``param_partition`` says, the Engram tables split by
+    rows over every device (``sharding.engram_tables``)."""
+    split = engram_tables.split(params, cfg, mesh)
+    return jax.tree.map(lambda spec, x: x if isinstance(x, engram_tables.SplitRows) else
+                        jax.device_put(x, NamedSharding(mesh, spec)), param_partition(cfg, params), split)
 
 
 def shard_state(state: S, mesh: Mesh) -> S:

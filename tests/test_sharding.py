@@ -71,6 +71,7 @@ def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
     # (the programs' all-to-alls are no sign of EP here: XLA's partitioner adds its own for the
     # data-split pools; the forward test above shows the MoE dispatch under the same mesh)
     assert got["expert_shards"] == shape[1] and got["state_shards"] == shape[0], got
+    assert got["table_shards"] == shape[0] * shape[1], got   # no device holds a whole Engram table
     # DP attention: the scheduler spread the four requests over the ranks (shortest queue)
     assert len(got["per_rank"]) == shape[0] and sum(got["per_rank"]) == 4, got
     assert max(got["per_rank"]) - min(got["per_rank"]) <= 1, got
@@ -171,6 +172,8 @@ def _engine_runs() -> dict:
             "tokens": tokens, "expert_shards": len({str(s.index) for s in w1.addressable_shards}),
             "state_shards": len({str(s.index) for s in e.runner.state.model.seq_lens.addressable_shards}),
             "per_rank": [r.radix.stats["requests"] for r in e.scheduler.ranks],
+            "table_shards": len({str(s.index) for s in
+                                 e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows.addressable_shards}),
             "load_ranks": [r["dp_rank"] for r in e.load().get("dp_ranks", [{"dp_rank": 0}])]}
     return out
 

@@ -1,0 +1,73 @@
+"""Engram tables over the mesh: rows split over every device, looked up where they live.
+
+On one device an Engram layer's table (``[rows, head_dim]``, e4m3 or float) and its per-32
+scales are plain arrays. Under a mesh (``shard_params``) each is split by rows into equal
+contiguous blocks, one per device of the (data, expert) grid, padded with zero rows to a
+multiple of the grid (no hash reaches the padding), and held as ``SplitRows``: no device holds
+a whole table (V4.1-Flash's 188.8 GiB of tables are 23.6 GiB a GPU over 8).
+
+``lookup`` then gathers a step's hashed rows inside ``shard_map``: every device reads the ids
+that fall in its block and writes zeros for the rest, and one ``psum`` over the grid hands
+every device the whole rows. It is exact (each row comes from one device, the others add
+zeros), and a step moves ``tokens x cols x head_dim`` floats over the grid, not the table.
+The rows stay e4m3 with their scales until the device that holds them dequantises them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mega.engram import lookup_rows
+from model.config import ModelConfig
+from sharding.mesh import DATA, EXPERT
+
+GRID = (DATA, EXPERT)
+PARTS = ("table", "scale")   # an Engram layer's row-indexed parameters
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """A row-indexed array split in equal blocks over every device of ``mesh`` (row-major)."""
+    rows: jax.Array
+    mesh: Mesh
+
+    @property
+    def dtype(self):   # what the ops and the kernel report read of a table
+        return self.rows.dtype
+
+
+jax.tree_util.register_dataclass(SplitRows, data_fields=["rows"], meta_fields=["mesh"])
+
+
+def split(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """``params`` with every Engram layer's table and scales split over ``mesh``."""
+    layers = list(params["layers"])
+    for i in cfg.engram_layer_ids:
+        g = dict(layers[i]["engram"])
+        for k in PARTS:
+            a = jnp.asarray(g[k])
+            a = jnp.pad(a, ((0, -a.shape[0] % mesh.size),) + ((0, 0),) * (a.ndim - 1))
+            g[k] = SplitRows(jax.device_put(a, NamedSharding(mesh, P(GRID))), mesh)
+        layers[i] = {**layers[i], "engram": g}
+    return {**params, "layers": layers}
+
+
+def lookup(p: dict, hash_ids: jnp.ndarray) -> jnp.ndarray:
+    """``[T, cols * head_dim]`` float32 rows of an Engram layer ``p`` for ``hash_ids [T, cols]``,
+    wherever its table lives."""
+    table, scale = p["table"], p["scale"]
+    if not isinstance(table, SplitRows):
+        return lookup_rows(table, scale, hash_ids)
+
+    def local(tab, sc, ids):
+        block = tab.shape[0]
+        at = ids - jax.lax.axis_index(GRID) * block
+        mine = (at >= 0) & (at < block)
+        rows = lookup_rows(tab, sc, jnp.where(mine, at, 0))
+        rows = jnp.where(jnp.repeat(mine, tab.shape[1], axis=1), rows, 0.0)
+        return jax.lax.psum(rows, GRID)
+    return jax.shard_map(local, mesh=table.mesh, in_specs=(P(GRID), P(GRID), P()), out_specs=P())(
+        table.rows, scale.rows, hash_ids)
