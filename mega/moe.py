@@ -55,6 +55,7 @@ class MoeSpec:
     gate_temp: float = 1.0
     norm_topk: bool = True
     fp8_activations: bool = False
+    balanced: bool = False   # a benchmark mode: experts dealt round-robin, not routed (changes outputs)
 
 
 def route(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None
@@ -65,7 +66,11 @@ def route(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None
     bias = p["bias"].astype(jnp.float32)[None]
     if image_mask is not None:
         bias = jnp.where(image_mask[:, None], p["bias_vl"].astype(jnp.float32)[None], bias)
-    _, ids = jax.lax.top_k(scores + bias, spec.top_k)
+    if spec.balanced:   # token t takes experts (t*k .. t*k+k-1) mod E: every expert gets T*k/E pairs
+        pairs = jnp.arange(x.shape[0] * spec.top_k, dtype=jnp.int32).reshape(-1, spec.top_k)
+        ids = pairs % scores.shape[-1]
+    else:
+        _, ids = jax.lax.top_k(scores + bias, spec.top_k)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     if spec.norm_topk and spec.top_k > 1:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)

@@ -79,6 +79,9 @@ class ModelConfig:
     # "fp8": rows quantised to e4m3 (a power-of-two scale per 128 columns) before each expert
     # GEMM, as block-fp8 checkpoints' dynamic activation scheme (W8A8) does
     expert_activations: str = "bf16"
+    # "balanced": each token's experts dealt round-robin by its position instead of chosen by the
+    # router (the seed's balanced-routing benchmark mode, --enable-balanced-routing): changes outputs
+    expert_routing: str = "model"
     # mHC
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -154,6 +157,8 @@ class ModelConfig:
     def _derive(self) -> "ModelConfig":
         if self.expert_activations not in ("bf16", "fp8"):
             raise ConfigError(f"config field 'expert_activations' must be bf16 or fp8, not {self.expert_activations!r}")
+        if self.expert_routing not in ("model", "balanced"):
+            raise ConfigError(f"config field 'expert_routing' must be model or balanced, not {self.expert_routing!r}")
         n, n_draft = self.num_hidden_layers, self.num_nextn_predict_layers
         ratios = list(self.compress_ratios)
         if not n <= len(ratios) <= n + n_draft:

@@ -39,7 +39,7 @@ class Trace(NamedTuple):
 
 def moe_spec(cfg: ModelConfig) -> MoeSpec:
     return MoeSpec(cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                   cfg.norm_topk_prob, cfg.expert_activations == "fp8")
+                   cfg.norm_topk_prob, cfg.expert_activations == "fp8", cfg.expert_routing == "balanced")
 
 
 class Taps(NamedTuple):

@@ -4,7 +4,7 @@ Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-pat
 ``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
 ``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``,
-``--dp-size``, ``--ep-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
+``--dp-size``, ``--ep-size``, ``--enable-balanced-routing``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -80,6 +80,9 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
     par.add_argument("--ep-size", type=int, default=1, metavar="N",
                      help="expert parallelism: the routed experts split over the N devices of each DP group, "
                           "tokens sent to their experts by all-to-all (dp x ep devices in all)")
+    par.add_argument("--enable-balanced-routing", action="store_true",
+                     help="benchmarks only: spread every step's tokens evenly over the experts instead of routing "
+                          "them (CHANGES OUTPUTS), as the seed's balanced-routing runs")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", choices=["DSPARK"],
                     help="DSPARK: the model's block draft (its mtp.* layers) proposes, the model verifies")
@@ -119,4 +122,4 @@ def engine_config(args: argparse.Namespace):
                         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
                         speculative_fixed_verify=args.speculative_fixed_verify,
                         speculative_accept_length=args.speculative_accept_length, dp_size=args.dp_size,
-                        ep_size=args.ep_size)
+                        ep_size=args.ep_size, balanced_routing=args.enable_balanced_routing)

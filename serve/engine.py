@@ -74,6 +74,8 @@ class EngineConfig:
     # data and expert parallelism over a (data, expert) mesh of dp x ep devices (sharding.mesh)
     dp_size: int = 1
     ep_size: int = 1
+    # a benchmark mode: tokens spread evenly over the experts, not routed (changes outputs)
+    balanced_routing: bool = False
 
     def __post_init__(self):
         model_dtype(self.dtype)   # (a bad name: ValueError)
@@ -146,6 +148,11 @@ class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, config: EngineConfig = EngineConfig(), tokenizer=None):
         enable_compilation_cache()
         self.model = LoadedModel.prepare(params, cfg, config.dtype, config.quantization)
+        if config.balanced_routing:
+            logging.getLogger("megajax").warning("--enable-balanced-routing: every token's experts are dealt "
+                                                 "round-robin, not routed; outputs are not the model's")
+            self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg,
+                                                                                 expert_routing="balanced"))
         # over several devices the weights are placed once, split by sharding.specs, for the steps and the scorer
         self.mesh = None if config.mesh_spec.size == 1 else config.mesh_spec.build()
         if self.mesh is not None:

@@ -86,6 +86,22 @@ def _moe_np(x, p, k, routed_scale, limit):
     return want
 
 
+def test_balanced_routing_spreads_pairs_evenly():
+    """``--enable-balanced-routing`` (a benchmark mode): each expert gets T*k/E pairs, a token's k
+    experts differ, and their weights are the router's scores of them, normalised and scaled."""
+    rng = np.random.default_rng(11)
+    t, d, e, k = 24, 32, 8, 3
+    p = jax.tree.map(jnp.asarray, _moe_params(rng, d, 16, e))
+    x = jnp.asarray(rng.normal(size=(t, d)).astype(np.float32))
+    w, ids = mega.moe.route(x, p, MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=0.0, balanced=True))
+    ids = np.asarray(ids)
+    assert np.bincount(ids.reshape(-1), minlength=e).tolist() == [t * k // e] * e
+    assert all(len(set(row)) == k for row in ids)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.5, rtol=1e-5)
+    routed = np.asarray(mega.moe.route(x, p, MoeSpec(top_k=k, routed_scale=1.5, swiglu_limit=0.0))[1])
+    assert not (np.sort(routed, -1) == np.sort(ids, -1)).all()   # not what the router would choose
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_moe_matches_numpy(skew):
     rng = np.random.default_rng(3 + skew)

@@ -88,6 +88,22 @@ def test_mesh_sizes_are_checked():
     assert EngineConfig(max_running=8, max_len=64, page_size=16, num_pages=7, dp_size=2).pages == 8
 
 
+def test_balanced_routing_is_a_flag_of_the_engine():
+    import argparse
+
+    from serve.cli_args import add_engine, add_model, engine_config
+    from serve.default_model import random_config, random_params
+    from serve.engine import Engine
+
+    ap = argparse.ArgumentParser()
+    add_model(ap, required=False)
+    add_engine(ap)
+    config = engine_config(ap.parse_args(["--enable-balanced-routing", "--max-running-requests", "2"]))
+    assert config.balanced_routing and not engine_config(ap.parse_args([])).balanced_routing
+    cfg = random_config()
+    assert Engine(random_params(cfg), cfg, config).cfg.expert_routing == "balanced"
+
+
 def _child() -> dict:
     import jax
     import jax.numpy as jnp
