@@ -34,9 +34,13 @@ def expert_ranks() -> int:
 
 
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec) -> jnp.ndarray:
+    return local_moe(x, p, spec) if expert_ranks() == 1 else exchanged_moe(x, p, spec)
+
+
+def exchanged_moe(x: jnp.ndarray, p: dict, spec: MoeSpec) -> jnp.ndarray:
+    """``moe`` through the exchange over the current mesh's ``expert`` axis, whatever its size
+    (of one device: the machinery's own cost, which ``bench/ep_dispatch_gpu.py`` measures)."""
     ranks = expert_ranks()
-    if ranks == 1:
-        return local_moe(x, p, spec)
     # routed once over the step's tokens, as on one device (a near-tie routes the same way)
     weights, ids = route(x, p, spec)
     lanes = jax.sharding.get_abstract_mesh().shape[DATA] * ranks
