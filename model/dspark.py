@@ -45,7 +45,7 @@ class Proposal(NamedTuple):
 
 def draft_moe_spec(cfg: ModelConfig) -> MoeSpec:
     return MoeSpec(cfg.dspark_num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit, cfg.gate_temp,
-                   cfg.norm_topk_prob, cfg.expert_activations == "fp8")
+                   cfg.norm_topk_prob, cfg.expert_activations == "fp8", cfg.expert_routing == "balanced")
 
 
 def _main_rope(cfg: ModelConfig, positions: jnp.ndarray):

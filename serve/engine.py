@@ -258,7 +258,10 @@ class Engine:
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 if stream:
                     req.detok = Detokenizer(self.decode)
-                self.scheduler.submit(req)
+                try:
+                    self.scheduler.submit(req)
+                except ValueError as e:   # too long for the context, or for one DP rank's pages
+                    raise RequestError(str(e), "max_new_tokens") from None
                 self._requests[sub] = req
         return handle
 
@@ -350,21 +353,20 @@ class Engine:
         totals, and under DP attention each rank's (``dp_ranks``)."""
         with self._lock:
             s = self.scheduler
-            out = self._load_of(s.ranks, s.running, s.waiting)
+            out = self._load_of(s.ranks, s.running)
             if self.runner.spec is not None:   # tokens a verify step yields, the bonus included
                 out["spec_accept_length"] = self.stats.accepted / max(self.stats.verifies, 1)
-            if len(s.ranks) > 1:
+            if len(s.ranks) > 1:   # the queue is shared until admission: it has no per-rank count
                 out["dp_ranks"] = [{"dp_rank": r.index, **self._load_of(
-                    [r], [q for q in s.running if q.rank == r.index],
-                    [q for q in s.waiting if q.dp_rank == r.index])} for r in s.ranks]
+                    [r], [q for q in s.running if q.rank == r.index])} for r in s.ranks]
+            out["num_queue_reqs"] = len(s.waiting)
             return out
 
-    def _load_of(self, ranks, running, waiting) -> dict:
+    def _load_of(self, ranks, running) -> dict:
         used = sum(r.used_pages for r in ranks)
         radixes = [r.radix for r in ranks if r.radix is not None]
         prompt = sum(x.stats["prompt_tokens"] for x in radixes)
-        return {"num_running_reqs": len(running), "num_queue_reqs": len(waiting),
-                "num_used_tokens": used * self.config.page_size,
+        return {"num_running_reqs": len(running), "num_used_tokens": used * self.config.page_size,
                 "token_usage": used / sum(r.pool.num_pages for r in ranks),
                 "cache_hit_rate": sum(x.stats["cached_tokens"] for x in radixes) / prompt if prompt else 0.0}
 

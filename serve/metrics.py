@@ -62,12 +62,14 @@ class Metrics:
                           f"sglang:{name}{{{self.labels}}} {value}"]
             for h in (self.ttft, self.itl, self.e2e, self.accept):
                 lines += h.render(self.labels)
-        # one series per DP rank (``Engine.load``'s ``dp_ranks``); engine-wide gauges under rank 0
+        # one series per DP rank (``Engine.load``'s ``dp_ranks``); engine-wide ones (the shared
+        # queue, the accept length) as dp="all" when there are several ranks
         ranks = gauges.get("dp_ranks") or [{"dp_rank": 0}]
+        whole = "all" if "dp_ranks" in gauges else 0
         for name, value in gauges.items():
             if name == "dp_ranks":
                 continue
             lines.append(f"# TYPE sglang:{name} gauge")
-            per_rank = [(r["dp_rank"], r[name]) for r in ranks if name in r] or [(0, value)]
+            per_rank = [(r["dp_rank"], r[name]) for r in ranks if name in r] or [(whole, value)]
             lines += [f'sglang:{name}{{{self.labels},dp="{i}"}} {v}' for i, v in per_rank]
         return "\n".join(lines) + "\n"

@@ -177,20 +177,26 @@ class Scheduler:
             return None
         return req.ids[:(len(req.ids) - 1) // self.page_size * self.page_size]  # always compute the last token
 
-    def _place(self, req: Request, budget: int) -> DpRank | None:
-        """The rank to admit ``req`` on now (module docstring), or None when none can take it."""
+    def _place(self, req: Request, budget: int, full: set[int]) -> DpRank | None:
+        """The rank to admit ``req`` on now (module docstring), or None when none can take it. A
+        cached prefix draws it only to a rank that is not much busier than the least busy one
+        (at most 2 requests more, or half as many again), so a shared system prompt cannot pile
+        every request onto the rank that cached it first."""
         first_pages = -(-min(len(req.ids), budget) // self.page_size)
-        fits = [r for r in self.ranks if r.free_slots and first_pages <= len(r.pool.free) + r.evictable
-                and req.dp_rank in (None, r.index)]
+        fits = [r for r in self.ranks if r.free_slots and r.index not in full and req.dp_rank in (None, r.index)
+                and first_pages <= len(r.pool.free) + r.evictable]
         if len(fits) < 2:
             return fits[0] if fits else None
         usable = self._usable(req)
         load = {r.index: 0 for r in self.ranks}
         for other in self.running:
             load[other.rank] += 1
+        least = min(load[r.index] for r in fits)
 
         def hit(r: DpRank) -> int:
-            n = r.radix.prefix_length(usable) if r.radix is not None and usable else 0
+            if not usable or r.radix is None or load[r.index] > max(least + 2, 1.5 * least):
+                return 0
+            n = r.radix.prefix_length(usable)
             return n if n > self.window else 0
         return min(fits, key=lambda r: (-hit(r), load[r.index], -len(r.pool.free), r.index))
 
@@ -232,32 +238,38 @@ class Scheduler:
                 return None
             chunks.append(Chunk(req, req.computed, 1 + len(drafts), True, False, drafts))
         budget = self.prefill_budget - sum(c.n for c in chunks)  # the step's decodes count (its token bucket)
+        full: set[int] = set()   # ranks out of pages this step: their later prefills wait, the others go on
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if budget <= 0:
                 break
-            if req.finished or not req.prefilling:
+            if req.finished or not req.prefilling or req.rank in full:
                 continue
             chunk = self._prefill_chunk(req, budget, fresh=False)
             if chunk is None:
-                break
+                full.add(req.rank)
+                continue
             chunks.append(chunk)
             budget -= chunk.n
+        passed: set[str] = set()   # waiting requests no rank can take this step (a full named rank)
         while budget > 0 and self.waiting and self.free_slots:
-            req = self._next_waiting()
+            req = self._next_waiting(passed)
             if req is None:
                 break
             if req.finished:
                 self.waiting.remove(req)
                 continue
-            rank = self._place(req, budget)
+            rank = self._place(req, budget, full)
             if rank is None:
-                break
+                passed.add(req.rid)
+                continue
             self.waiting.remove(req)
             self._admit(req, rank)
             chunk = self._prefill_chunk(req, budget, fresh=True)
             if chunk is None:  # could not get pages after all: back to the queue
+                full.add(rank.index)
                 self.retract(req)
-                break
+                passed.add(req.rid)
+                continue
             chunks.append(chunk)
             budget -= chunk.n
         return chunks
@@ -270,14 +282,14 @@ class Scheduler:
             room = min(room, req.params.max_new_tokens - len(req.output) - 1)
         return tuple(req.drafts[:max(room, 0)])
 
-    def _next_waiting(self) -> Request | None:
-        """The fair share's next admission (module docstring, step 2), or None."""
+    def _next_waiting(self, passed: set[str]) -> Request | None:
+        """The fair share's next admission (module docstring, step 2) but for ``passed``, or None."""
         running: dict[str, int] = {}
         for r in self.running:
             if not r.finished:
                 running[r.group or r.rid] = running.get(r.group or r.rid, 0) + 1
         cap = max(self.max_running - 1, 1)
-        held = [(running.get(r.group or r.rid, 0), i, r) for i, r in enumerate(self.waiting)]
+        held = [(running.get(r.group or r.rid, 0), i, r) for i, r in enumerate(self.waiting) if r.rid not in passed]
         return min(((n, i, r) for n, i, r in held if n < cap or r.finished), default=(0, 0, None))[2]
 
     def _prefill_chunk(self, req: Request, budget: int, fresh: bool) -> Chunk | None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mega.engram import lookup_rows
@@ -48,8 +49,8 @@ def split(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     for i in cfg.engram_layer_ids:
         g = dict(layers[i]["engram"])
         for k in PARTS:
-            a = jnp.asarray(g[k])
-            a = jnp.pad(a, ((0, -a.shape[0] % mesh.size),) + ((0, 0),) * (a.ndim - 1))
+            a = np.asarray(g[k])   # padded on the host: each device receives only its block
+            a = np.pad(a, ((0, -a.shape[0] % mesh.size),) + ((0, 0),) * (a.ndim - 1))
             g[k] = SplitRows(jax.device_put(a, NamedSharding(mesh, P(GRID))), mesh)
         layers[i] = {**layers[i], "engram": g}
     return {**params, "layers": layers}

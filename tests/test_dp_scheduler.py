@@ -71,6 +71,22 @@ def test_a_cached_prefix_draws_its_request_to_its_rank():
     assert elsewhere.rank == 1 - home
 
 
+def test_a_cached_prefix_does_not_pile_requests_on_one_rank():
+    s = _sched(slots=16, pages=64)
+    system = list(range(1, 33))   # a shared system prompt past the window, cached on one rank
+    first = _req(system + [99])
+    _admit(s, first)
+    home = first.rank
+    _finish(s, first)
+    ranks = []
+    for i in range(8):
+        req = _req(system + [100 + i])
+        _admit(s, req)
+        ranks.append(req.rank)
+    # affinity while the home rank is at most 2 requests (or half again) busier, then the other
+    assert ranks[:3] == [home] * 3 and ranks.count(1 - home) >= 3, ranks
+
+
 def test_probing_a_rank_leaves_its_cache_and_lru_order_alone():
     s = _sched(dp=1)
     older, newer = list(range(1, 35)), list(range(100, 134))   # 8 full pages cached each
@@ -92,8 +108,10 @@ def test_a_named_rank_is_kept_even_when_busier():
     _admit(s, a, b)
     assert a.rank == b.rank == 1
     c = _req(list(range(40, 50)), dp_rank=1)   # rank 1 has no free slot left: c waits for it
-    chunks = _admit(s, c)
+    d = _req(list(range(60, 70)))              # ... but does not hold up a request behind it
+    chunks = _admit(s, c, d)
     assert c.rank is None and c in s.waiting and not any(ch.req is c for ch in chunks)
+    assert d.rank == 0
     _finish(s, a)
     s.schedule()
     assert c.rank == 1
@@ -110,8 +128,11 @@ def test_retraction_frees_the_rank_that_ran_out():
     long.output += [1, 1, 1]   # its next decode needs a fourth page of rank 0: none is free
     for r in (long, short, late):
         r.computed = len(r.ids) - 1
+    newest = _req([8, 9], dp_rank=1, new=2)   # admitted after ``late``, on the other rank
+    _admit(s, newest)
+    newest.computed = len(newest.ids) - 1
     assert s.schedule() is None and s.starved is s.ranks[0]
-    assert s.victim() is late   # the most recent on that rank, not ``short``
+    assert s.victim() is late   # the most recent on the rank that ran out, not ``newest``
 
 
 def test_a_request_must_fit_one_rank():

@@ -100,8 +100,12 @@ def test_balanced_routing_is_a_flag_of_the_engine():
     add_engine(ap)
     config = engine_config(ap.parse_args(["--enable-balanced-routing", "--max-running-requests", "2"]))
     assert config.balanced_routing and not engine_config(ap.parse_args([])).balanced_routing
+    from model.dspark import draft_moe_spec
+    from model.forward import moe_spec
+
     cfg = random_config()
-    assert Engine(random_params(cfg), cfg, config).cfg.expert_routing == "balanced"
+    served = Engine(random_params(cfg), cfg, config).cfg
+    assert moe_spec(served).balanced and draft_moe_spec(served).balanced and not moe_spec(cfg).balanced
 
 
 def _child() -> dict:
