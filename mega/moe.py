@@ -66,7 +66,7 @@ def route(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None
     bias = p["bias"].astype(jnp.float32)[None]
     if image_mask is not None:
         bias = jnp.where(image_mask[:, None], p["bias_vl"].astype(jnp.float32)[None], bias)
-    if spec.balanced:   # token t takes experts (t*k .. t*k+k-1) mod E: every expert gets T*k/E pairs
+    if spec.balanced:   # token t takes experts (t*k .. t*k+k-1) mod E: expert counts differ by at most one
         pairs = jnp.arange(x.shape[0] * spec.top_k, dtype=jnp.int32).reshape(-1, spec.top_k)
         ids = pairs % scores.shape[-1]
     else:
