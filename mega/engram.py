@@ -4,15 +4,14 @@
 scales; float tables are used as stored); the caller looks them up where its table lives
 (``sharding.engram_tables``). The op projects them with ``wkv`` into one key per stream plus
 a shared value, and adds ``g_k * v`` to each stream with the signed-sqrt sigmoid gate.
-Like the mHC step it first applies the previous sublayer's pending update, because the
-injection sits between that expand and the next site's mix.
+The injection sits between the previous sublayer's expand and the next site's mix, so the
+caller applies the pending update first (``hc_expand``).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from mega.mhc import Update, hc_expand
 from mega.primitives import linear
 from pallas_kernels.fp4 import scale_values
 
@@ -29,11 +28,9 @@ def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -
 
 
 @jax.named_scope("engram")  # prefixes its ops' names in HLO dumps and XProf
-def engram(residual: jnp.ndarray, update: Update | None, rows: jnp.ndarray, p: dict, *,
-           eps: float) -> jnp.ndarray:
-    """Streams ``[T, hc, D]`` after the pending update and the Engram injection of ``rows``
-    (``lookup_rows`` of the tokens' hashed ids in ``p``'s table)."""
-    residual = hc_expand(residual, update)
+def engram(residual: jnp.ndarray, rows: jnp.ndarray, p: dict, *, eps: float) -> jnp.ndarray:
+    """Streams ``[T, hc, D]`` after the Engram injection of ``rows`` (``lookup_rows`` of the
+    tokens' hashed ids in ``p``'s table)."""
     t, hc, d = residual.shape
     # With a bf16 wkv and a bf16 table, or an e4m3 one with its power-of-two (UE8M0) scales,
     # every operand is exact in bf16: the projection then runs on bf16 operands with fp32

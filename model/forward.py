@@ -189,9 +189,9 @@ def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
     if f.taps is not None and i in cfg.dspark_target_layer_ids:   # before Engram (targets have none)
         f = f._replace(taps=f.taps + (hc_expand(residual, update).astype(jnp.float32).mean(1).astype(residual.dtype),))
     if i in cfg.engram_layer_ids:
-        rows = engram_tables.lookup(lp["engram"], f.hash_rows[:, cfg.engram_layer_ids.index(i)])
-        residual = engram(residual, update, rows, lp["engram"], eps=cfg.rms_norm_eps)
-        update = None
+        hash_ids = f.hash_rows[:, cfg.engram_layer_ids.index(i)]
+        residual, update = hc_expand(residual, update), None
+        residual = engram(residual, engram_tables.lookup(lp["engram"], hash_ids), lp["engram"], eps=cfg.rms_norm_eps)
     residual, x, attn_mix = mhc_step(residual, update, lp["hc_attn"], f.pre, lp["attn_norm"], **hc_options(cfg))
     y, ring, src_update, published = attention_sublayer(x, lp["attn"], i, cfg, f.info, f.state, f.published, forced)
     state = f.state

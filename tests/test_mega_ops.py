@@ -207,7 +207,7 @@ def test_engram_matches_numpy(fp8, dtype):
          "k_weight": (1 + 0.2 * rng.normal(size=(hc, d))).astype(np.float32)}
     ids = rng.integers(0, rows, size=(t, cols)).astype(np.int32)
     pj = {k: jnp.asarray(v) for k, v in p.items()}
-    got = np.asarray(engram(jnp.asarray(h), None, lookup_rows(pj["table"], pj["scale"], jnp.asarray(ids)), pj, eps=eps))
+    got = np.asarray(engram(jnp.asarray(h), lookup_rows(pj["table"], pj["scale"], jnp.asarray(ids)), pj, eps=eps))
     vals = table.astype(np.float64)
     if fp8:
         vals = (vals.reshape(rows, -1, 32) * scale[..., None]).reshape(rows, hd)
@@ -219,7 +219,7 @@ def test_engram_matches_numpy(fp8, dtype):
     gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
     np.testing.assert_allclose(got, hh + gate[..., None] * value[:, None, :], rtol=1e-4, atol=1e-4)
     # and the projection runs on bf16 operands only where all of them are exact in bf16
-    hlo = jax.jit(lambda h, i, q: engram(h, None, lookup_rows(q["table"], q["scale"], i), q, eps=eps)).lower(
+    hlo = jax.jit(lambda h, i, q: engram(h, lookup_rows(q["table"], q["scale"], i), q, eps=eps)).lower(
         jnp.asarray(h), jnp.asarray(ids), pj).as_text()
     operand = "bf16" if dtype == ml_dtypes.bfloat16 else "f32"
     assert f"(tensor<{t}x{cols * hd}x{operand}>, tensor<{d * (hc + 1)}x{cols * hd}x{operand}>)" in hlo
