@@ -17,8 +17,9 @@ def add_model(ap: argparse.ArgumentParser, required: bool) -> None:
     g = ap.add_argument_group("model")
     g.add_argument("--model-path", "--model", dest="model", required=required, metavar="DIR",
                    help="directory with config.json and safetensors (the release's V4.1 format or plain floats)"
-                        + ("" if required else "; default: random-tiny, the embedded model with "
-                                             "random weights"))
+                        + ("" if required else "; default: deepseek-v4.1-small, the embedded model trained "
+                                             "here (random-tiny: the same architecture at width 256, random "
+                                             "weights)"))
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="the model dtype of weights and activations (auto: bfloat16 on a GPU, where the Pallas "
                         "kernels take it, float32 elsewhere); a checkpoint's quantised experts stay quantised")
