@@ -1,7 +1,7 @@
 """Engram: gated injection of n-gram table rows into the hyper-connection streams (§3.10).
 
-``lookup_rows`` gathers the hashed rows (fp8 tables are dequantised with their per-32
-scales; float tables are used as stored); the caller looks them up where its table lives
+``lookup_rows`` gathers the hashed rows and ``dequantised`` turns them into floats (fp8 tables
+with their per-32 scales; float tables as stored); the caller looks them up where its table lives
 (``sharding.engram_tables``). The op projects them with ``wkv`` into one key per stream plus
 a shared value, and adds ``g_k * v`` to each stream with the signed-sqrt sigmoid gate.
 The injection sits between the previous sublayer's expand and the next site's mix, so the
@@ -19,12 +19,17 @@ from pallas_kernels.fp4 import scale_values
 def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -> jnp.ndarray:
     """``[T, cols * head_dim]`` float32 rows for ``hash_ids [T, cols]`` (an e4m3 table's scales:
     UE8M0 bytes, as the release stores them, or floats)."""
-    rows = table[hash_ids]
+    return dequantised(table[hash_ids], scale[hash_ids])
+
+
+def dequantised(rows: jnp.ndarray, scales: jnp.ndarray) -> jnp.ndarray:
+    """``[T, cols * head_dim]`` float32 of gathered rows ``[T, cols, head_dim]`` and their scales
+    (read only for e4m3 rows)."""
     if rows.dtype == jnp.float8_e4m3fn:
-        block = rows.shape[-1] // scale.shape[-1]
-        s = scale_values(scale[hash_ids])
-        rows = (rows.astype(jnp.float32).reshape(*rows.shape[:-1], -1, block) * s[..., None]).reshape(rows.shape)
-    return rows.astype(jnp.float32).reshape(hash_ids.shape[0], -1)
+        block = rows.shape[-1] // scales.shape[-1]
+        rows = (rows.astype(jnp.float32).reshape(*rows.shape[:-1], -1, block)
+                * scale_values(scales)[..., None]).reshape(rows.shape)
+    return rows.astype(jnp.float32).reshape(rows.shape[0], -1)
 
 
 @jax.named_scope("engram")  # prefixes its ops' names in HLO dumps and XProf

@@ -5,7 +5,7 @@ Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-pat
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
 ``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``,
 ``--dp-size``, ``--ep-size``, ``--enable-balanced-routing``, ``--ep-num-redundant-experts``, ``--enable-eplb``,
-``--eplb-rebalance-num-iterations``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
+``--eplb-rebalance-num-iterations``, ``--engram-placement``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -91,6 +91,9 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
     par.add_argument("--enable-eplb", action="store_true",
                      help="count each expert's routed tokens and re-place the experts (and their copies) to "
                           "balance the expert ranks, periodically; outputs unchanged")
+    par.add_argument("--engram-placement", choices=["device", "host"], default="device",
+                     help="the Engram tables split by rows over the devices' memory, or over the host memory "
+                          "beside them (looked up by the host, only the step's rows sent to the devices)")
     par.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, metavar="N",
                      help="steps between EPLB rebalances, each on the load counted since the last")
     sp = ap.add_argument_group("speculative decoding")
@@ -134,4 +137,5 @@ def engine_config(args: argparse.Namespace):
                         speculative_accept_length=args.speculative_accept_length, dp_size=args.dp_size,
                         ep_size=args.ep_size, balanced_routing=args.enable_balanced_routing,
                         ep_num_redundant_experts=args.ep_num_redundant_experts, enable_eplb=args.enable_eplb,
-                        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations)
+                        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
+                        engram_placement=args.engram_placement)

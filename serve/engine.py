@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+import jax
 import numpy as np
 
 from model.batch import Batch
@@ -81,6 +82,8 @@ class EngineConfig:
     ep_num_redundant_experts: int = 0
     enable_eplb: bool = False
     eplb_rebalance_num_iterations: int = 1000
+    # the Engram tables split over the devices' memory or over the host memory beside them
+    engram_placement: str = "device"
 
     def __post_init__(self):
         model_dtype(self.dtype)   # (a bad name: ValueError)
@@ -164,11 +167,13 @@ class Engine:
                                                  "round-robin, not routed; outputs are not the model's")
             self.model = dataclasses.replace(self.model, cfg=dataclasses.replace(self.model.cfg,
                                                                                  expert_routing="balanced"))
-        # over several devices the weights are placed once, split by sharding.specs, for the steps and the scorer
-        self.mesh = None if config.mesh_spec.size == 1 else config.mesh_spec.build()
-        if self.mesh is not None:
+        # over several devices (or with the Engram tables in host memory: a 1 x 1 mesh) the weights
+        # are placed once, split by sharding.specs, for the steps and the scorer
+        self.mesh = None
+        if config.mesh_spec.size > 1 or config.engram_placement != "device":
+            self.mesh = config.mesh_spec.build(None if config.mesh_spec.size > 1 else jax.devices()[:1])
             self.model = dataclasses.replace(self.model, params=shard_params(self.model.params, self.model.cfg,
-                                                                              self.mesh))
+                                                                              self.mesh, config.engram_placement))
         self.balancer = None
         if config.ep_num_redundant_experts or config.enable_eplb:
             self.balancer = ExpertBalancer(self.model.cfg, self.mesh, config.ep_num_redundant_experts,

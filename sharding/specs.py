@@ -60,10 +60,10 @@ def _constrain(tree, specs):
     return jax.lax.with_sharding_constraint(tree, specs)
 
 
-def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, engram_placement: str = "device") -> dict:
     """``params`` placed on ``mesh``: as ``param_partition`` says, the Engram tables split by
-    rows over every device (``sharding.engram_tables``)."""
-    split = engram_tables.split(params, cfg, mesh)
+    rows over every device, in device or host memory (``sharding.engram_tables``)."""
+    split = engram_tables.split(params, cfg, mesh, engram_placement)
     return jax.tree.map(lambda spec, x: x if isinstance(x, engram_tables.SplitRows) else
                         jax.device_put(x, NamedSharding(mesh, spec)), param_partition(cfg, params), split)
 

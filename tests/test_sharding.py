@@ -79,14 +79,35 @@ def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
     assert got["load_ranks"] == list(range(shape[0])), got   # /get_load reports each rank
 
 
-def test_redundant_experts_and_eplb_keep_the_one_device_tokens(engine_runs):
-    """``--ep-num-redundant-experts 4 --enable-eplb`` on dp2 x ep4: 12 physical experts of 8, three
-    a device, re-placed every 3 steps from the load the steps counted."""
+def test_redundant_experts_eplb_and_host_engram_keep_the_one_device_tokens(engine_runs):
+    """``--ep-num-redundant-experts 4 --enable-eplb --engram-placement host`` on dp2 x ep4: 12
+    physical experts of 8, three a device, re-placed every 3 steps from the load the steps
+    counted; the Engram tables in host memory."""
     got = engine_runs["eplb"]
     assert got["tokens"] == engine_runs["one_device"], got
+    assert got["table_memory"] == "pinned_host", got
     assert got["physical"] == 12 and got["per_device"] == 3 and sorted(set(got["placement"])) == list(range(8))
     assert got["rebalances"] >= 2, got
     assert got["balance"]["after"] <= got["balance"]["before"], got
+
+
+def test_host_engram_on_one_device_keeps_its_tokens(engine_runs):
+    got = engine_runs["host_one_device"]
+    assert got["tokens"] == engine_runs["one_device"] and got["table_memory"] == "pinned_host", got
+
+
+@pytest.fixture(scope="module")
+def lookups():
+    return _in_child("lookup")
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
+def test_split_tables_look_up_the_whole_tables_rows(lookups, placement, dtype):
+    """An Engram table split by rows over 8 devices (in their memory or the host's), e4m3 with
+    UE8M0 scale bytes or bf16, gives exactly ``mega.engram.lookup_rows`` of the whole table."""
+    got = lookups[f"{placement}/{dtype}"]
+    assert got["max_diff"] == 0.0 and got["memory"] == ("pinned_host" if placement == "host" else "device"), got
 
 
 def test_mesh_sizes_are_checked():
@@ -197,11 +218,17 @@ def _engine_runs() -> dict:
         return e, [r["output_ids"] for r in e.generate(prompts, sp, decode_text=False)]
 
     out = {"one_device": run(1, 1)[1]}
-    e, tokens = run(2, 4, ep_num_redundant_experts=4, enable_eplb=True, eplb_rebalance_num_iterations=3)
+    e, tokens = run(2, 4, ep_num_redundant_experts=4, enable_eplb=True, eplb_rebalance_num_iterations=3,
+                    engram_placement="host")
     w1 = e.model.params["layers"][0]["moe"]["w1"]
+    table = e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows
     out["eplb"] = {"tokens": tokens, "rebalances": e.balancer.rebalances, "balance": vars(e.balancer.balance),
                    "physical": w1.shape[0], "per_device": {s.data.shape[0] for s in w1.addressable_shards}.pop(),
-                   "placement": e.model.params["layers"][0]["moe"]["placement"].phy2log.tolist()}
+                   "placement": e.model.params["layers"][0]["moe"]["placement"].phy2log.tolist(),
+                   "table_memory": table.sharding.memory_kind}
+    e, tokens = run(1, 1, engram_placement="host")   # one device: a 1 x 1 mesh
+    table = e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows
+    out["host_one_device"] = {"tokens": tokens, "table_memory": table.sharding.memory_kind}
     for dp, ep in SHAPES:
         e, tokens = run(dp, ep)
         w1 = e.model.params["layers"][0]["moe"]["w1"]
@@ -215,6 +242,35 @@ def _engine_runs() -> dict:
     return out
 
 
+def _lookups() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mega.engram import lookup_rows
+    from sharding import engram_tables
+    from sharding.mesh import MeshSpec
+
+    class Cfg:   # the one field split reads
+        engram_layer_ids = (0,)
+
+    rng = np.random.default_rng(0)
+    mesh = MeshSpec(2, 4).build()
+    ids = jnp.asarray(rng.integers(0, 301, size=(40, 3)), jnp.int32)
+    out = {}
+    for dtype in ("float8_e4m3fn", "bfloat16"):
+        table = jnp.asarray(rng.normal(size=(301, 64)), dtype)   # 301 rows: padded to 304 over 8
+        scale = jnp.asarray(rng.integers(120, 131, size=(301, 2)), jnp.uint8)
+        want = np.asarray(lookup_rows(table, scale, ids))
+        for placement in engram_tables.PLACEMENTS:
+            p = engram_tables.split({"layers": [{"engram": {"table": table, "scale": scale}}]}, Cfg, mesh, placement)
+            g = p["layers"][0]["engram"]
+            got = np.asarray(jax.jit(engram_tables.lookup)(g, ids))
+            out[f"{placement}/{dtype}"] = {"max_diff": float(np.abs(got - want).max()),
+                                           "memory": g["table"].rows.sharding.memory_kind}
+    return out
+
+
 if __name__ == "__main__":
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-    print(json.dumps({"forward": _child, "engine": _engine_runs}[sys.argv[1]]()))
+    print(json.dumps({"forward": _child, "engine": _engine_runs, "lookup": _lookups}[sys.argv[1]]()))
