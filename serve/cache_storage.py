@@ -61,6 +61,8 @@ def _checksum(payload: bytes) -> bytes:
 
 class FileStorage(HiCacheStorage):
     def __init__(self, directory: str | Path, identity: bytes, page_bytes: int, max_bytes: int | None = None):
+        if len(identity) != 32:
+            raise ValueError("a model identity is 32 bytes (serve/kv_pages.py's model_identity)")
         self.dir = Path(directory)
         self.identity, self.page_bytes, self.max_bytes = identity, page_bytes, max_bytes
         self.dir.mkdir(parents=True, exist_ok=True)

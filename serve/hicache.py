@@ -62,6 +62,10 @@ class HiCacheConfig:
     prefetch_timeout_per_ki_token: float = 0.25
 
     def __post_init__(self):
+        numbers = (self.ratio, self.size_gb, self.prefetch_threshold, self.prefetch_timeout_base,
+                   self.prefetch_timeout_per_ki_token)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+            raise ValueError("the hicache sizes, prefetch threshold and timeouts must be numbers")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache write policy must be one of {', '.join(WRITE_POLICIES)}, "
                              f"not {self.write_policy!r}")
