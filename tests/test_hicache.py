@@ -111,8 +111,9 @@ def test_bad_pages_degrade_to_misses(tiny, prompts, l1_hits, tmp_path, caplog):
         r = _run(reader, prompts[2])
     assert _cached(r) == 0 and r["output_ids"] == cold["output_ids"]
     bad = [m for m in caplog.messages if "a miss" in m]
-    assert len(bad) == 1 and reader.load()["hicache"]["storage"]["bad_pages"] == 1   # the first page: the rest
-    assert not files[0].exists()                                                      # is no use without it
+    # one line, for the prompt's first page (the pages after it are no use without it)
+    assert len(bad) == 1 and reader.load()["hicache"]["storage"]["bad_pages"] == 1
+    assert any(f.name in bad[0] for f in files)
 
 
 def test_write_policies(tiny, prompts, tmp_path):
@@ -124,12 +125,13 @@ def test_write_policies(tiny, prompts, tmp_path):
             _run(engine, p)
             engine.hicache.drain()
             counts.append(len(list(d.glob("*.page"))))
-        return counts
+        return counts + [engine.scheduler.ranks[0].radix.cached_pages]
 
     # write_through: on commit; selective: on the second use; write_back: when the host pool evicts
-    assert pages_after("write_through", prompts[:1])[0] == HIT // 16
-    assert pages_after("write_through_selective", [prompts[0], prompts[0]]) == [0, HIT // 16]
-    assert pages_after("write_back", prompts) == [0] * 4   # host pool (24 pages) holds all of them
+    first, committed = pages_after("write_through", prompts[:1])
+    assert first == committed > HIT // 16   # the prompt's pages and the output's
+    assert pages_after("write_through_selective", [prompts[0], prompts[0]])[:2] == [0, committed]
+    assert pages_after("write_back", prompts)[:4] == [0] * 4   # host pool (24 pages) holds all of them
 
 
 def test_eviction_under_concurrent_load_loses_no_request(tiny, prompts):
