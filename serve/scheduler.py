@@ -42,10 +42,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from serve.hicache import HiCache
 from serve.radix_cache import RadixCache
 from serve.request import Request
+
+if TYPE_CHECKING:   # the scheduler stays pure Python
+    from serve.hicache import HiCache
 
 
 class PagePool:
@@ -260,8 +263,10 @@ class Scheduler:
 
     def _prefetched(self, req: Request) -> bool:
         """Whether ``req``'s storage prefetch lets it be admitted now (``HiCache.ready``)."""
+        if self.hicache is None or self.hicache.storage is None:
+            return True
         usable = self._usable(req)
-        if self.hicache is None or not usable:
+        if not usable:
             return True
         local = max((r.radix.prefix_length(usable) for r in self.ranks), default=0) // self.page_size
         return self.hicache.ready(req.rid, usable, local)
