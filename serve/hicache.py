@@ -20,8 +20,8 @@ The flow of a request (``Scheduler`` calls these, on its thread):
    evicted) copy pages down, by the write policy: ``write_through`` copies a page to L2 and L3 when
    it is committed; ``write_through_selective`` once it has been used twice; ``write_back`` only when
    it is evicted: from L1 into L2, and from L2 into L3. Device→host copies are dispatched behind the
-   running step and land asynchronously; storage writes run on a storage thread. Every policy keeps
-   an evicted L1 page in L2.
+   running step and land on an I/O thread (which then frees their device rows); storage reads and
+   writes run there too. Every policy keeps an evicted L1 page in L2.
 
 What fails degrades to a miss: an unreadable page, a full or read-only storage directory, a page
 evicted from L2 before it was loaded (admission then computes it).
@@ -110,12 +110,12 @@ class HiCache:
         self.config, self.layout, self.identity, self.device = config, layout, identity, device
         self.host = HostPool(config.host_pages(device_pages, layout.page_bytes))
         self.storage: HiCacheStorage | None = None
-        self._io: ThreadPoolExecutor | None = None
         if config.storage_backend is not None:
             bound = None if config.storage_size_gb is None else int(config.storage_size_gb * 1e9)
             self.storage = make_storage(config.storage_backend, config.storage_dir, identity, layout.page_bytes,
                                         bound)
-            self._io = ThreadPoolExecutor(2, thread_name_prefix="hicache-io")
+        # device→host copies land, storage reads and writes run here, off the scheduler's thread
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="hicache-io")
         self._threshold = {"write_through": 1, "write_through_selective": 2, "write_back": None}[config.write_policy]
         self._uses: dict[bytes, int] = {}   # device pages' uses, for write_through_selective
         self._prefetches: OrderedDict[str, _Prefetch] = OrderedDict()
@@ -234,6 +234,8 @@ class HiCache:
             self._spill(self.host.put(key, page))
         if to_storage and self.storage is not None:
             self._write(keys, held)
+        else:   # land the copies now, so the device rows are freed (not held as long as L2 keeps the pages)
+            self._io.submit(lambda: [p.array() for p in held])
 
     def _spill(self, evicted: list[tuple[bytes, HostPage]]) -> None:
         """Pages L2 pushed out: under write_back they go to L3 now (the other policies wrote them)."""
@@ -265,8 +267,7 @@ class HiCache:
 
     def close(self) -> None:
         self.drain()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
     def metrics(self) -> dict:
         """Per-tier hit tokens and bytes moved between tiers (``/metrics``, ``/get_load``)."""

@@ -26,7 +26,8 @@ class HostPage:
         if self._host is None:
             with self._copy:
                 if self._host is None:
-                    self._host = np.asarray(self._device)[self._row]
+                    # a copy, not a view: the batch's other rows may leave L2 before this one
+                    self._host = np.asarray(self._device)[self._row].copy()
                     self._device = None   # the device batch goes when its last page has landed
         return self._host
 
