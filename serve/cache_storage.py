@@ -65,7 +65,10 @@ class FileStorage(HiCacheStorage):
             raise ValueError("a model identity is 32 bytes (serve/kv_pages.py's model_identity)")
         self.dir = Path(directory)
         self.identity, self.page_bytes, self.max_bytes = identity, page_bytes, max_bytes
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--hicache-storage-dir {self.dir}: {e.strerror or e}") from None
         self._lock = threading.Lock()
         self._failures: set[str] = set()   # kinds of write failure already logged
         self.stats = {"read_bytes": 0, "written_bytes": 0, "bad_pages": 0, "failed_writes": 0, "evicted_pages": 0}

@@ -716,5 +716,7 @@ class Engine:
             self.runner.step(self.runner.empty_input(t), r)
             if progress is not None:
                 progress.update(1)
+        if self.hicache is not None:
+            self.hicache.warmup(self.runner.pages_per_request)
         np.asarray(self.runner.state.last_token)
         return len(steps)

@@ -108,6 +108,7 @@ class HiCache:
     def __init__(self, config: HiCacheConfig, layout: PageLayout, identity: bytes, device: PageDevice,
                  device_pages: int):
         self.config, self.layout, self.identity, self.device = config, layout, identity, device
+        self.device_pages = device_pages
         self.host = HostPool(config.host_pages(device_pages, layout.page_bytes))
         self.storage: HiCacheStorage | None = None
         if config.storage_backend is not None:
@@ -252,6 +253,17 @@ class HiCache:
             self._writes = [f for f in self._writes if not f.done()] + [self._io.submit(write)]
 
     # ------------------------------------------------------------------ lifecycle
+    def warmup(self, max_pages: int) -> None:
+        """Compile the page copies for up to ``max_pages`` pages (a request's) now, not at the first hit:
+        reads of page 0 and writes past the pool, which are dropped."""
+        n = 1
+        while True:
+            np.asarray(self.device.read_pages([0] * n))
+            self.device.write_pages([self.device_pages] * n, np.zeros((n, self.layout.page_elems), self.layout.dtype))
+            if n >= max_pages:
+                return
+            n *= 2
+
     def drain(self) -> None:
         """Wait for the storage writes submitted so far (before a shutdown that must keep them)."""
         with self._lock:

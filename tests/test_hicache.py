@@ -72,6 +72,10 @@ def test_host_tier_serves_repeats_the_device_pool_lost(tiny, prompts, l1_hits):
     engine = _engine(tiny, HiCacheConfig())
     for p in prompts:
         _run(engine, p)
+    pools = lambda: [np.asarray(x) for m in [engine.runner.state.model] for x in m.comp_kv + m.index_k]  # noqa: E731
+    before = pools()
+    engine.hicache.warmup(8)   # compiles the page copies; its writes land past the pool
+    assert all(np.array_equal(a, b) for a, b in zip(before, pools()))
     repeats = [_run(engine, p) for p in prompts[:2]]
     assert [_cached(r) for r in repeats] == [HIT, HIT]
     assert [r["output_ids"] for r in repeats] == l1_hits
@@ -181,6 +185,12 @@ def test_file_storage_checks_every_page(tmp_path, caplog):
         f"{keys[2].hex()}.page holds another page: a miss (removed)"]
     assert not f0.exists() and s.batch_exists(keys) == 0
     assert not list(tmp_path.glob(".tmp-*"))                                               # no temporary left
+
+
+def test_file_storage_refuses_a_directory_it_cannot_make(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="--hicache-storage-dir"):
+        _file(tmp_path / "a-file" / "pages")
 
 
 def test_file_storage_size_bound_evicts_least_recently_used(tmp_path):
