@@ -28,6 +28,7 @@ evicted from L2 before it was loaded (admission then computes it).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +46,7 @@ from serve.kv_pages import PageLayout, page_keys
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 TIERS = ("device", "host", "storage")
+log = logging.getLogger("megajax")
 
 
 @dataclass(frozen=True)
@@ -95,13 +97,22 @@ class PageDevice(Protocol):
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None: ...
 
 
+@dataclass
 class _Prefetch:
     """An L3 read into L2 for one waiting request."""
+    future: Future
+    deadline: float  # when the timeout policy stops waiting for it (time.monotonic)
 
-    def __init__(self, tokens: int, deadline: float):
-        self.deadline = deadline
-        self.candidate_tokens = tokens
-        self.future: Future | None = None
+
+def _logged(fn):
+    """``fn`` for the I/O threads: what goes wrong there is logged (and the work lost), never raised
+    into nothing."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("hicache: %s failed", getattr(fn, "__name__", "a copy"))
+    return run
 
 
 class HiCache:
@@ -141,12 +152,10 @@ class HiCache:
             todo = keys[start:]
             if len(todo) * self.layout.page_size < max(self.config.prefetch_threshold, 1):
                 return True   # nothing L3 could add that is worth a prefetch
-            n_tok = len(todo) * self.layout.page_size
             c = self.config
-            op = _Prefetch(n_tok, time.monotonic() + c.prefetch_timeout_base + c.prefetch_timeout_per_ki_token
-                           * n_tok / 1024)
-            op.future = self._io.submit(self._prefetch, todo)
-            self._prefetches[rid] = op
+            wait = c.prefetch_timeout_base + c.prefetch_timeout_per_ki_token * len(todo) * self.layout.page_size / 1024
+            op = self._prefetches[rid] = _Prefetch(self._io.submit(_logged(self._prefetch), todo),
+                                                   time.monotonic() + wait)
             while len(self._prefetches) > 4096:   # requests admitted long ago
                 self._prefetches.popitem(last=False)
         if self.config.prefetch_policy == "best_effort" or op.future.done():
@@ -163,7 +172,7 @@ class HiCache:
             payload = self.storage.batch_get([key])[0]
             if payload is None:
                 return
-            page = HostPage(host=np.frombuffer(payload, self.layout.dtype).copy(), from_storage=True)
+            page = HostPage(host=np.frombuffer(payload, self.layout.np_dtype).copy(), from_storage=True)
             with self._lock:
                 self.moved["storage_to_host"] += len(payload)
             self._spill(self.host.put(key, page))
@@ -236,7 +245,7 @@ class HiCache:
         if to_storage and self.storage is not None:
             self._write(keys, held)
         else:   # land the copies now, so the device rows are freed (not held as long as L2 keeps the pages)
-            self._io.submit(lambda: [p.array() for p in held])
+            self._io.submit(_logged(lambda: [p.array() for p in held]))
 
     def _spill(self, evicted: list[tuple[bytes, HostPage]]) -> None:
         """Pages L2 pushed out: under write_back they go to L3 now (the other policies wrote them)."""
@@ -244,6 +253,7 @@ class HiCache:
             self._write([k for k, _ in evicted], [p for _, p in evicted])
 
     def _write(self, keys: list[bytes], held: list[HostPage]) -> None:
+        @_logged
         def write():
             ok = self.storage.batch_set(keys, [p.array().tobytes() for p in held])
             with self._lock:
@@ -259,7 +269,7 @@ class HiCache:
         n = 1
         while True:
             np.asarray(self.device.read_pages([0] * n))
-            self.device.write_pages([self.device_pages] * n, np.zeros((n, self.layout.page_elems), self.layout.dtype))
+            self.device.write_pages([self.device_pages] * n, np.zeros((n, self.layout.page_elems), self.layout.np_dtype))
             if n >= max_pages:
                 return
             n *= 2

@@ -54,6 +54,10 @@ class PageLayout:
         return tuple((n, self.head_dim) for n in rows) + tuple((n, self.index_head_dim) for n in rows)
 
     @property
+    def np_dtype(self) -> np.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
     def page_elems(self) -> int:
         return sum(n * w for n, w in self.parts)
 
