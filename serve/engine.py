@@ -688,6 +688,14 @@ class Engine:
             self._stop.set()
             self._thread.join(timeout=30)
             self._thread = None
+        if self.hicache is not None and self.error is None:
+            # requests that finished before the loop stopped commit their pages, and the storage
+            # writes land: what a restart finds in storage includes the last answers
+            with self._lock:
+                while self._pending:
+                    self._finish_pending(time.perf_counter())
+                self._reap()
+            self.hicache.drain()
 
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""

@@ -101,6 +101,31 @@ def test_restart_and_a_second_engine_share_the_storage_dir(tiny, prompts, l1_hit
     assert _cached(r) == HIT and r["output_ids"] == l1_hits[1]
 
 
+def test_a_restarted_server_reports_storage_hits(tiny, prompts, l1_hits, tmp_path):
+    """Over HTTP: a server, then a new one on the same directory (what a restart leaves it)."""
+    import json
+
+    from serve.server import Server
+    from test_server import LiveServer
+
+    body = {"input_ids": prompts[0], "sampling_params": {**GREEDY, "max_new_tokens": 4}}
+    replies = []
+    for _ in range(2):
+        engine = _engine(tiny, _storage(tmp_path))
+        live = LiveServer(Server(engine, "tiny", enable_metrics=True))
+        try:
+            status, text, _ = live.request("/generate", body)
+            assert status == 200, text
+            replies.append(json.loads(text))
+            metrics = live.request("/metrics")[1]
+        finally:
+            live.close()   # a shutdown: the engine stops, committing what finished (Engine.stop)
+            engine.hicache.close()
+    assert [r["meta_info"]["cached_tokens"] for r in replies] == [0, HIT]
+    assert replies[1]["output_ids"] == l1_hits[0]
+    assert f'sglang:hicache_hit_tokens_total{{model_name="tiny",tier="storage"}} {HIT}' in metrics
+
+
 def test_bad_pages_degrade_to_misses(tiny, prompts, l1_hits, tmp_path, caplog):
     writer = _engine(tiny, _storage(tmp_path))
     cold = _run(writer, prompts[2])
