@@ -20,7 +20,7 @@ payload (each KV source's compressed KV and indexer keys) over its tokens, again
 of the same model (one K=V row of ``head_dim`` per layer per token, the model's MQA, in the same
 dtype), and the storage file's size with its header.
 
-    python bench/hicache_ttft.py                                   # CPU: random-tiny, 8K tokens
+    python bench/hicache_ttft.py --model random-tiny               # CPU: 8K tokens (default: serve's default model)
     python bench/hicache_ttft.py --model DIR --prompt-len 8192     # a GPU, e.g. bench/engine_gpu.py's checkpoint
 Serve flags pass through (``--page-size``, ``--hicache-*``, ``--max-total-tokens`` ...). Writes JSON
 to ``--output`` (default ``$OUT/hicache_ttft.json`` or ``bench/results/hicache_ttft.json``).
@@ -65,14 +65,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args):
     """The engine as ``python -m serve`` builds it from these flags."""
-    from serve.default_model import RANDOM, random_config, random_params
+    from serve.default_model import RANDOM, SMALL_DIR, random_config, random_params
     from serve.engine import Engine
 
     config = engine_config(args)
-    if args.model in (None, RANDOM):
+    if args.model == RANDOM:
         cfg = random_config()
         return Engine(random_params(cfg), cfg, config)
-    return Engine.from_model_dir(args.model, config)
+    return Engine.from_model_dir(args.model or SMALL_DIR, config)
 
 
 def ttft(engine, prompt) -> tuple[float, dict]:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         commit = None
     result = {
         "commit": commit, "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-        "model": args.model or "random-tiny", "prompt_len": args.prompt_len, "page_size": args.page_size,
+        "model": args.model or "deepseek-v4.1-small", "prompt_len": args.prompt_len, "page_size": args.page_size,
         "chunked_prefill_size": engine.config.step_tokens, "decoder_replay": args.decoder_replay,
         "dtype": layout.dtype, "device_pool_tokens": engine.config.pages * args.page_size,
         "host_pool_pages": engine.hicache.host.capacity, "compile_round_s": compile_s,

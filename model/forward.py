@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from mega.engram import engram
 from mega.mhc import HcMix, Update, hc_expand, mhc_step
-from mega.moe import MoeSpec
+from mega.moe import MoeSpec, route
 from mega.primitives import linear
 from model.attention import Published, attention_sublayer
 from model.batch import Batch, StepInfo, replay_rows, step_info
@@ -122,7 +122,7 @@ def forward(params: dict, cfg: ModelConfig, state: ModelState, batch: Batch, eng
         f, y, attn_mix = _attention_site(lp, cfg, i, f, forced_selection.get(i))
         if i in cfg.index_source_layer_ids:
             selections[i] = f.published
-        f = _ffn_site(lp, cfg, f, y, attn_mix)
+        f = _ffn_site(lp, cfg, i, f, y, attn_mix)
         if trace:
             streams.append(hc_expand(f.residual, f.update))
             premixes.append(f.pre)
@@ -142,7 +142,7 @@ def forward_trunk(params: dict, cfg: ModelConfig, state: ModelState, batch: Batc
     for i, lp in enumerate(params["layers"][:last + 1]):
         f, y, attn_mix = _attention_site(lp, cfg, i, f, forced_selection.get(i))
         if i < last:
-            f = _ffn_site(lp, cfg, f, y, attn_mix)
+            f = _ffn_site(lp, cfg, i, f, y, attn_mix)
     info, row_src = replay_rows(cfg, f.state, f.info, keep, rows)
     take = partial(jax.tree.map, lambda a: a[jnp.maximum(row_src, 0)])
     cut = Cut(take(f.residual), take(y), take(attn_mix), take(f.published), info, take(f.hash_rows), row_src,
@@ -156,10 +156,10 @@ def forward_tail(params: dict, cfg: ModelConfig, state: ModelState, cut: Cut, lo
     last = cfg.last_kv_source
     f = Flow(cut.residual, None, cut.attn_mix.pre, cut.published, state.window, state, cut.info, cut.hash_rows,
              cut.taps)
-    f = _ffn_site(params["layers"][last], cfg, f, cut.y, cut.attn_mix)
+    f = _ffn_site(params["layers"][last], cfg, last, f, cut.y, cut.attn_mix)
     for i, lp in enumerate(params["layers"][last + 1:], last + 1):
         f, y, attn_mix = _attention_site(lp, cfg, i, f, None)
-        f = _ffn_site(lp, cfg, f, y, attn_mix)
+        f = _ffn_site(lp, cfg, i, f, y, attn_mix)
     return _finish(params, cfg, f, cut.engram_hist, logit_rows)
 
 
@@ -201,11 +201,16 @@ def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
     return f._replace(residual=residual, update=None, published=published, windows=windows, state=state), y, attn_mix
 
 
-def _ffn_site(lp: dict, cfg: ModelConfig, f: Flow, y: jnp.ndarray, attn_mix: HcMix) -> Flow:
+def _ffn_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, y: jnp.ndarray, attn_mix: HcMix) -> Flow:
     residual, x, ffn_mix = mhc_step(f.residual, Update(y, attn_mix.post, attn_mix.comb), lp["hc_ffn"],
                                     attn_mix.pre, lp["ffn_norm"], **hc_options(cfg))
-    return f._replace(residual=residual, update=Update(moe(x, lp["moe"], moe_spec(cfg)), ffn_mix.post, ffn_mix.comb),
-                      pre=ffn_mix.pre)
+    spec, state = moe_spec(cfg), f.state
+    if state.expert_load.size:   # the same routing as the MoE op's own, which XLA computes once
+        _, ids = route(x, lp["moe"], spec)
+        load = state.expert_load.at[f.info.slot[:, None], i, ids].add(f.info.valid[:, None].astype(jnp.int32))
+        state = state.replace(expert_load=load)
+    return f._replace(residual=residual, update=Update(moe(x, lp["moe"], spec), ffn_mix.post, ffn_mix.comb),
+                      pre=ffn_mix.pre, state=state)
 
 
 def _finish(params, cfg, f: Flow, engram_hist, logit_rows):

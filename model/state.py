@@ -20,7 +20,10 @@ The state holds ``B`` request slots. Per layer kind:
   ``max_ngram - 1`` compressed ids, ``DEAD`` where there is none), the first position whose
   window KV the ring holds (``window_floor``: after a prefix hit, encoder replay rebuilds
   the ring from there) and how many tokens already have their compressed entries
-  (``cached_len``: replayed tokens keep the cached entries instead of rewriting them).
+  (``cached_len``: replayed tokens keep the cached entries instead of rewriting them);
+* for EPLB (``expert_load``), the routed (token, expert) pairs of each slot's tokens per layer
+  and logical expert since the engine last read and zeroed them; a step counts only when the
+  state has them, so a server without EPLB runs the same program.
 
 Pages are counted in tokens: page ``j`` of a request covers its tokens
 ``[j * page_size, (j + 1) * page_size)``, i.e. ``page_size // ratio`` entries of a
@@ -54,7 +57,7 @@ class Fp8Ring(NamedTuple):
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["seq_lens", "window", "comp_kv", "index_k", "tail_kv", "tail_gate", "page_table",
-                      "engram_hist", "window_floor", "cached_len", "draft_window"],
+                      "engram_hist", "window_floor", "cached_len", "draft_window", "expert_load"],
          meta_fields=["page_size"])
 @dataclass(frozen=True)
 class ModelState:
@@ -69,6 +72,7 @@ class ModelState:
     window_floor: jnp.ndarray  # int32 [B]
     cached_len: jnp.ndarray  # int32 [B]
     draft_window: tuple  # per DSpark draft layer: [B, ring_rows, head_dim] (empty without speculation)
+    expert_load: jnp.ndarray  # int32 [B, layers, E], or [B, 0, 0] when not counted
     page_size: int
 
     @property
@@ -102,7 +106,8 @@ def tail_groups(ratio: int, spec_tokens: int) -> int:
 
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
-               dtype=jnp.float32, window_fp8: bool = False, spec_tokens: int = 0) -> ModelState:
+               dtype=jnp.float32, window_fp8: bool = False, spec_tokens: int = 0,
+               expert_load: bool = False) -> ModelState:
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
     if page_size <= 0 or any(page_size % r for r in ratios):
         raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio {ratios}")
@@ -132,6 +137,8 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
         cached_len=jnp.zeros((batch_size,), jnp.int32),
         draft_window=tuple(jnp.zeros((batch_size, w, hd), dtype)
                            for _ in range(cfg.num_nextn_predict_layers if spec_tokens else 0)),
+        expert_load=jnp.zeros((batch_size, cfg.num_hidden_layers, cfg.n_routed_experts) if expert_load
+                              else (batch_size, 0, 0), jnp.int32),
         page_size=page_size,
     )
 

@@ -1,4 +1,4 @@
-"""``python -m serve``: the OpenAI-compatible HTTP server (without --model: the embedded random-tiny model)."""
+"""``python -m serve``: the OpenAI-compatible HTTP server (without --model: the embedded deepseek-v4.1-small)."""
 from __future__ import annotations
 
 import argparse
@@ -34,16 +34,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
-    from serve.default_model import RANDOM, RANDOM_NAME, random_config, random_params
+    from serve.default_model import RANDOM, RANDOM_NAME, SMALL_DIR, SMALL_NAME, random_config, random_params
     from serve.engine import Engine
     from serve.server import Server
 
     try:
         config = engine_config(args)
-        if args.model in (None, RANDOM):
+        if args.model == RANDOM:
             cfg = random_config()
             engine = Engine(random_params(cfg, draft=config.speculative_algorithm is not None), cfg, config)
             name = RANDOM_NAME
+        elif args.model is None:
+            engine, name = Engine.from_model_dir(SMALL_DIR, config), SMALL_NAME
         else:
             engine = Engine.from_model_dir(args.model, config, progress=True)
             name = Path(args.model).resolve().name

@@ -4,7 +4,8 @@ Names follow SGLang's ``ServerArgs`` where SGLang has the setting (``--model-pat
 ``--max-running-requests``, ``--context-length``, ``--chunked-prefill-size``, ``--page-size``,
 ``--max-total-tokens``, ``--disable-radix-cache``, ``--disable-overlap-schedule``, ``--dtype``,
 ``--kv-cache-dtype``, ``--quantization``, ``--speculative-algorithm``, ``--speculative-num-draft-tokens``,
-``--dp-size``, ``--ep-size``, ``--enable-balanced-routing``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
+``--dp-size``, ``--ep-size``, ``--enable-balanced-routing``, ``--ep-num-redundant-experts``, ``--enable-eplb``,
+``--eplb-rebalance-num-iterations``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``); the names megajax's CLIs had before stay as aliases.
 ``engine_config(args)`` is the one place options become an ``EngineConfig``.
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ def add_model(ap: argparse.ArgumentParser, required: bool) -> None:
     g = ap.add_argument_group("model")
     g.add_argument("--model-path", "--model", dest="model", required=required, metavar="DIR",
                    help="directory with config.json and safetensors (the release's V4.1 format or plain floats)"
-                        + ("" if required else "; default: random-tiny, the embedded model with "
-                                             "random weights"))
+                        + ("" if required else "; default: deepseek-v4.1-small, the embedded model trained "
+                                             "here (random-tiny: the same architecture at width 256, random "
+                                             "weights)"))
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="the model dtype of weights and activations (auto: bfloat16 on a GPU, where the Pallas "
                         "kernels take it, float32 elsewhere); a checkpoint's quantised experts stay quantised")
@@ -83,6 +85,14 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
     par.add_argument("--enable-balanced-routing", action="store_true",
                      help="benchmarks only: spread every step's tokens evenly over the experts instead of routing "
                           "them (CHANGES OUTPUTS), as the seed's balanced-routing runs")
+    par.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="N",
+                     help="N extra physical experts a MoE layer, copies of hot experts (with --ep-size > 1); "
+                          "outputs unchanged")
+    par.add_argument("--enable-eplb", action="store_true",
+                     help="count each expert's routed tokens and re-place the experts (and their copies) to "
+                          "balance the expert ranks, periodically; outputs unchanged")
+    par.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, metavar="N",
+                     help="steps between EPLB rebalances, each on the load counted since the last")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", choices=["DSPARK"],
                     help="DSPARK: the model's block draft (its mtp.* layers) proposes, the model verifies")
@@ -175,4 +185,6 @@ def engine_config(args: argparse.Namespace):
                         speculative_fixed_verify=args.speculative_fixed_verify,
                         speculative_accept_length=args.speculative_accept_length, dp_size=args.dp_size,
                         ep_size=args.ep_size, balanced_routing=args.enable_balanced_routing,
+                        ep_num_redundant_experts=args.ep_num_redundant_experts, enable_eplb=args.enable_eplb,
+                        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
                         hicache=hicache_config(args))

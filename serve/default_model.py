@@ -1,4 +1,8 @@
-"""The embedded model ``python -m serve`` runs without a checkpoint of the user's.
+"""The embedded models ``python -m serve`` runs without a checkpoint of the user's.
+
+``deepseek-v4.1-small`` (``megajax/deepseek-v4.1-small``), the default: ``random-tiny``'s
+architecture at width 64, trained here on Python's own sources with its DSpark draft
+(``train/``), stored in the release's format in ``models/`` with its model card.
 
 ``random-tiny`` (``megajax/deepseek-v4.1-tiny-random``): every V4.1 mechanism (mHC, Engram,
 ratio-2 and ratio-1 KV sources, indexer, candidate blocks, Reindex, MoE) at width 256 with the
@@ -8,8 +12,12 @@ benchmarks of programs), and the small model of ``train/`` derives its config fr
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from model.config import ModelConfig
 
+SMALL_NAME = "megajax/deepseek-v4.1-small"
+SMALL_DIR = Path(__file__).resolve().parents[1] / "models" / "deepseek-v4.1-small"
 RANDOM = "random-tiny"
 RANDOM_NAME = "megajax/deepseek-v4.1-tiny-random"
 SEED = 0

@@ -33,6 +33,7 @@ from model.forward import halo_rows
 from model.kernel_paths import kernel_paths
 from serve.batch_scoring import Scorer
 from serve.detokenizer import Detokenizer
+from serve.expert_balancer import ExpertBalancer
 from serve.grammar import GrammarError, compile_grammar
 from serve.handle import Handle, RequestError
 from serve.hicache import HiCache, HiCacheConfig
@@ -78,6 +79,10 @@ class EngineConfig:
     ep_size: int = 1
     # a benchmark mode: tokens spread evenly over the experts, not routed (changes outputs)
     balanced_routing: bool = False
+    # redundant experts and EPLB over the expert ranks (sharding.expert_placement; outputs unchanged)
+    ep_num_redundant_experts: int = 0
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000
     # the hierarchical prefix cache (host and storage tiers under the radix cache: serve/hicache.py); None: off
     hicache: HiCacheConfig | None = None
 
@@ -100,6 +105,12 @@ class EngineConfig:
         if self.speculative_accept_length is not None and self.speculative_accept_length < 1:
             raise ValueError("speculative_accept_length counts the bonus token: at least 1")
         self.mesh_spec   # (a bad size: ValueError)
+        if self.ep_num_redundant_experts < 0 or self.eplb_rebalance_num_iterations < 1:
+            raise ValueError("--ep-num-redundant-experts must be at least 0 and --eplb-rebalance-num-iterations "
+                             "at least 1")
+        if (self.ep_num_redundant_experts or self.enable_eplb) and self.ep_size == 1:
+            raise ValueError("--ep-num-redundant-experts and --enable-eplb place experts over the expert ranks: "
+                             "they need --ep-size > 1")
         if self.max_running % self.dp_size:
             raise ValueError(f"--max-running-requests {self.max_running} must divide over --dp-size {self.dp_size}: "
                              "each DP rank owns an equal share of the request slots")
@@ -164,6 +175,11 @@ class Engine:
         if self.mesh is not None:
             self.model = dataclasses.replace(self.model, params=shard_params(self.model.params, self.model.cfg,
                                                                               self.mesh))
+        self.balancer = None
+        if config.ep_num_redundant_experts or config.enable_eplb:
+            self.balancer = ExpertBalancer(self.model.cfg, self.mesh, config.ep_num_redundant_experts,
+                                           config.eplb_rebalance_num_iterations if config.enable_eplb else None)
+            self.model = dataclasses.replace(self.model, params=self.balancer.initial(self.model.params))
         cfg, params, emap = self.model.cfg, self.model.params, self.model.engram_map
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
@@ -182,7 +198,8 @@ class Engine:
             log.info("%s: %s", op, path)
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
-                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh)
+                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh,
+                                  count_experts=config.enable_eplb)
         # Compile the smallest step now: its cost sizes the program budget, and a configuration
         # that cannot fit fails here, not at a later request (serve/programs.py).
         self.runner.programs.budget.cap(config.max_programs)
@@ -429,6 +446,8 @@ class Engine:
         """One iteration: plan and dispatch a step, then process a finished one."""
         t0 = time.perf_counter()
         with self._lock:
+            if self.balancer is not None and self.balancer.due(self.stats.steps):
+                self._rebalance()
             self._reap()
             chunks = self.scheduler.schedule()
             while chunks is None:  # memory is short: land everything in flight, then retract
@@ -445,6 +464,14 @@ class Engine:
             self._finish_pending(t0)
         else:
             self.stats.host_s += time.perf_counter() - t0
+
+    def _rebalance(self) -> None:
+        """EPLB: the experts re-placed for the load the steps counted (the same outputs)."""
+        state = self.runner.state
+        params, zeroed = self.balancer.rebalance(self.model.params, state.model.expert_load, self.stats.steps)
+        self.runner.state = state._replace(model=state.model.replace(expert_load=zeroed))
+        self.model = dataclasses.replace(self.model, params=params)
+        self.runner.params, self.scorer.model = params, self.model
 
     def _finish_pending(self, t0: float) -> None:
         chunks, (out, rows) = self._pending.pop(0)

@@ -313,16 +313,16 @@ class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
                  window_fp8: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, count_experts: bool = False):
         """``mesh``: a (data, expert) mesh the ``params`` are already split over; the state is then
         split over ``data`` (``sharding.specs``) and the steps trace under it, so the MoE sites
-        dispatch expert-parallel."""
+        dispatch expert-parallel. ``count_experts``: the steps count the experts' routed pairs (EPLB)."""
         self.params, self.cfg, self.engram_map, self.mesh = params, cfg, engram_map, mesh
         self.buckets, self.replay_keep, self.num_top, self.spec = buckets, replay_keep, num_top, spec
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
         model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8,
-                           spec_tokens=0 if spec is None else spec.num_drafts)
+                           spec_tokens=0 if spec is None else spec.num_drafts, expert_load=count_experts)
         # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
         model = model.replace(
             comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)

@@ -8,7 +8,8 @@ each (token, expert) pair is written into a send buffer by owner rank, one all-t
 over ``expert``: ``sharding.specs``), which run them through ``mega.moe.routed_experts`` as
 one-expert rows weighted by their routing weight; a second all-to-all returns the rows, and
 each token sums its own. The shared expert stays local. ``data`` ranks exchange nothing here:
-each row of the grid is its own EP group.
+each row of the grid is its own EP group. With redundant experts (``sharding.expert_placement``)
+the stacks hold the layer's physical experts and each pair goes to one copy of its expert.
 
 The send buffers hold ``tokens x top_k`` pairs per destination, so no pair is ever dropped
 whatever the routing (the exchange is lossless and the outputs equal the one-device MoE's);
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mega.moe import MoeSpec, moe as local_moe, route, routed_experts, shared_expert
+from sharding.expert_placement import physical
 from sharding.mesh import DATA, EXPERT
 
 
@@ -43,6 +45,8 @@ def exchanged_moe(x: jnp.ndarray, p: dict, spec: MoeSpec) -> jnp.ndarray:
     ranks = expert_ranks()
     # routed once over the step's tokens, as on one device (a near-tie routes the same way)
     weights, ids = route(x, p, spec)
+    if "placement" in p:
+        ids = physical(ids, p["placement"])
     lanes = jax.sharding.get_abstract_mesh().shape[DATA] * ranks
     t = x.shape[0]
     pad = ((0, -t % lanes), (0, 0))

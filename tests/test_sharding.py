@@ -11,7 +11,8 @@ per rank, so the logits move by float rounding, which the fixture's near-ties (r
 1e-3, the Engram gate's square root at 0) can turn into a flipped choice: as in the parity
 tests, a shape whose logits differ must then equal the one-device forward with its weights
 moved by float noise (``conftest.noisy``), which shows the difference is such a flip. The
-engine on each mesh (``--dp-size``/``--ep-size``) generates the one-device engine's tokens.
+engine on each mesh (``--dp-size``/``--ep-size``) generates the one-device engine's tokens, and
+so does one with redundant experts re-placed by EPLB as it runs.
 """
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
     assert len(got["per_rank"]) == shape[0] and sum(got["per_rank"]) == 4, got
     assert max(got["per_rank"]) - min(got["per_rank"]) <= 1, got
     assert got["load_ranks"] == list(range(shape[0])), got   # /get_load reports each rank
+
+
+def test_redundant_experts_and_eplb_keep_the_one_device_tokens(engine_runs):
+    """``--ep-num-redundant-experts 4 --enable-eplb`` on dp2 x ep4: 12 physical experts of 8, three
+    a device, re-placed every 3 steps from the load the steps counted."""
+    got = engine_runs["eplb"]
+    assert got["tokens"] == engine_runs["one_device"], got
+    assert got["physical"] == 12 and got["per_device"] == 3 and sorted(set(got["placement"])) == list(range(8))
+    assert got["rebalances"] >= 2, got
+    assert got["balance"]["after"] <= got["balance"]["before"], got
 
 
 def test_mesh_sizes_are_checked():
@@ -180,11 +191,17 @@ def _engine_runs() -> dict:
     prompts = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (5, 40, 17, 90)]
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
-    def run(dp, ep):
-        e = Engine(params, cfg, EngineConfig(max_running=8, max_len=128, page_size=16, dp_size=dp, ep_size=ep))
+    def run(dp, ep, **placement):
+        e = Engine(params, cfg, EngineConfig(max_running=8, max_len=128, page_size=16, dp_size=dp, ep_size=ep,
+                                             **placement))
         return e, [r["output_ids"] for r in e.generate(prompts, sp, decode_text=False)]
 
     out = {"one_device": run(1, 1)[1]}
+    e, tokens = run(2, 4, ep_num_redundant_experts=4, enable_eplb=True, eplb_rebalance_num_iterations=3)
+    w1 = e.model.params["layers"][0]["moe"]["w1"]
+    out["eplb"] = {"tokens": tokens, "rebalances": e.balancer.rebalances, "balance": vars(e.balancer.balance),
+                   "physical": w1.shape[0], "per_device": {s.data.shape[0] for s in w1.addressable_shards}.pop(),
+                   "placement": e.model.params["layers"][0]["moe"]["placement"].phy2log.tolist()}
     for dp, ep in SHAPES:
         e, tokens = run(dp, ep)
         w1 = e.model.params["layers"][0]["moe"]["w1"]
