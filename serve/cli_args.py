@@ -166,7 +166,8 @@ def hicache_config(args: argparse.Namespace):
     directory = args.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "/tmp/hicache")
     return HiCacheConfig(ratio=args.hicache_ratio, size_gb=args.hicache_size, write_policy=args.hicache_write_policy,
                          storage_backend=args.hicache_storage_backend, storage_dir=directory,
-                         storage_size_gb=args.hicache_storage_size, prefetch_policy=args.hicache_storage_prefetch_policy,
+                         storage_size_gb=args.hicache_storage_size,
+                         prefetch_policy=args.hicache_storage_prefetch_policy,
                          **extra)
 
 

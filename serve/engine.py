@@ -213,8 +213,8 @@ class Engine:
             n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         self.hicache = None if config.hicache is None else HiCache(
-            config.hicache, self.runner.page_layout, model_identity(cfg, params, config.page_size, config.quantization),
-            self.runner, config.pages)
+            config.hicache, self.runner.page_layout,
+            model_identity(cfg, params, config.page_size, config.quantization), self.runner, config.pages)
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache,
                                    config.speculative_fixed_verify, config.dp_size, self.hicache)

@@ -269,7 +269,8 @@ class HiCache:
         n = 1
         while True:
             np.asarray(self.device.read_pages([0] * n))
-            self.device.write_pages([self.device_pages] * n, np.zeros((n, self.layout.page_elems), self.layout.np_dtype))
+            zeros = np.zeros((n, self.layout.page_elems), self.layout.np_dtype)
+            self.device.write_pages([self.device_pages] * n, zeros)
             if n >= max_pages:
                 return
             n *= 2

@@ -79,7 +79,7 @@ class Metrics:
     def _hicache(self, h: dict) -> list[str]:
         """The hierarchical cache's counters (``HiCache.metrics``): prompt tokens a hit took from each
         tier, and bytes moved between tiers (engine-wide)."""
-        out = ["# HELP sglang:hicache_hit_tokens_total Prompt tokens of adopted prefix hits, by the tier they came from",
+        out = ["# HELP sglang:hicache_hit_tokens_total Prompt tokens of adopted prefix hits, by their tier",
                "# TYPE sglang:hicache_hit_tokens_total counter"]
         out += [f'sglang:hicache_hit_tokens_total{{{self.labels},tier="{t}"}} {n}' for t, n in h["hit_tokens"].items()]
         out += ["# HELP sglang:hicache_bytes_moved_total Bytes copied between cache tiers",

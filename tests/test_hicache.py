@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 
 import numpy as np
