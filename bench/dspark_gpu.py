@@ -11,7 +11,10 @@ once to compile and then timed; a step's time is (decode pass - prefill pass) / 
 * ``dspark``: 3 drafts a step, fixed verification of the whole block, and the seed's accept
   length of 3.25 tokens a step simulated (random weights accept almost nothing), so the
   timed steps are what a trained draft's would be: a verify of 4 rows a request plus the draft;
-  the draft alone is timed too (``time_draft``), for its share of the step and its roofline.
+  the draft alone is timed too (``time_draft``), for its share of the step and its roofline;
+* ``dspark_sync``: the same with ``--disable-overlap-schedule``: under overlap a speculative
+  request waits out the step in flight (its next drafts come from that step), so it verifies
+  every other step; without overlap, every step.
 
 Roofline beside each: the step's weight bytes (the checkpoint's size, read once a step) at
 the device's bandwidth; the decode of this slice is bound by them.
@@ -55,7 +58,9 @@ def run(mode: str, batch: int, smoke: bool) -> dict:
     from serve.engine import Engine, EngineConfig
 
     spec = dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=3, speculative_fixed_verify=True,
-                speculative_accept_length=3.25) if mode == "dspark" else {}
+                speculative_accept_length=3.25) if mode.startswith("dspark") else {}
+    if mode == "dspark_sync":
+        spec["overlap"] = False
     t0 = time.perf_counter()
     engine = Engine.from_model_dir(CKPT, EngineConfig(max_running=batch, max_len=256, prefill_budget=4096,
                                                       prefix_cache=False, dtype="bfloat16", **spec))

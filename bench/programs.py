@@ -55,14 +55,15 @@ def main() -> int:
     import jax
 
     from bench.gpu_common import commit
-    from serve.default_model import random_config, random_params
+    from serve.default_model import SMALL_DIR
     from serve.engine import Engine, EngineConfig
+    from serve.loaded_model import LoadedModel
     from serve.programs import PeakMaps, process_maps, shared_programs
 
     peak = PeakMaps(every=0.05)
-    cfg = random_config()
-    params = random_params(cfg)
     t0 = time.perf_counter()
+    model = LoadedModel.from_model_dir(SMALL_DIR)   # the embedded default, as `python -m serve` loads it
+    cfg, params = model.cfg, model.params
     engine = Engine(params, cfg, EngineConfig())  # as `python -m serve`
     built_s = time.perf_counter() - t0
     warm = measure_steps(engine, engine.warmup_steps())
@@ -88,7 +89,7 @@ def main() -> int:
     peak.stop()
     result = {"bench": "programs", "commit": commit(), "device": str(jax.devices()[0].device_kind),
               "platform": platform.platform(), "jax": jax.__version__,
-              "model": "embedded default (serve.default_model)", "engine_config": {**c.__dict__,
+              "model": "embedded default (serve.default_model.SMALL_DIR)", "engine_config": {**c.__dict__,
                                                                                    "step_tokens": c.step_tokens},
               "buckets": engine.buckets.__dict__, "bucket_programs": len(engine.buckets.programs()),
               "engine_built_s": round(built_s, 1), "warmup_s": round(warm_s, 1), "warmup_steps": warm,

@@ -26,24 +26,28 @@
 # runs it): accept length against the number of drafts, the temperature, and with the draft's
 # Markov head (the term that makes slot i depend on the token chosen for slot i - 1) zeroed.
 #
-# The model is the embedded default. While that default has random weights, its draft agrees
-# with the target by chance only (accept length about 1); a trained draft's curves have the
-# shape this notebook is for.
+# The model is the embedded default, `deepseek-v4.1-small`, trained here with its draft
+# (`models/deepseek-v4.1-small/MODEL_CARD.md`); the prompts are files of its corpus it was not
+# trained on (the held-out side of `train.corpus`).
 
 # %%
-import inspect
-import textwrap
+import sysconfig
+from pathlib import Path
 
 import jax
 import matplotlib.pyplot as plt
 
-from serve.default_model import RANDOM_NAME, random_config, random_params
+from serve.default_model import SMALL_DIR, SMALL_NAME
 from serve.engine import Engine, EngineConfig
+from serve.loaded_model import LoadedModel
+from train.corpus import held_out, source_files
 
-cfg = random_config()
-params = random_params(cfg, draft=True)
-print(RANDOM_NAME, f"draft block {cfg.dspark_block_size}")
-PROMPTS = [inspect.getsource(m)[:400] for m in (textwrap, inspect, jax.tree_util, plt)]
+model = LoadedModel.from_model_dir(SMALL_DIR)
+cfg, params = model.cfg, model.params
+print(SMALL_NAME, f"draft block {cfg.dspark_block_size}")
+stdlib = Path(sysconfig.get_paths()["stdlib"])
+unseen = [p for p in source_files(stdlib) if held_out(p.relative_to(stdlib).as_posix())]
+PROMPTS = [p.read_text(errors="replace")[:400] for p in unseen[:4]]
 NEW = 24
 
 
@@ -55,8 +59,10 @@ def accept(engine, temperature):
 
 
 def engine(drafts, p=params):
-    return Engine(p, cfg, EngineConfig(max_running=len(PROMPTS), max_len=512, prefix_cache=False,
-                                       speculative_algorithm="DSPARK", speculative_num_draft_tokens=drafts))
+    # small steps and no prefix cache (so no replay programs): fewer, smaller programs to compile
+    return Engine(p, cfg, EngineConfig(max_running=len(PROMPTS), max_len=256, prefill_budget=256, prefix_cache=False,
+                                       decoder_replay="off", speculative_algorithm="DSPARK",
+                                       speculative_num_draft_tokens=drafts))
 
 
 # %%

@@ -449,6 +449,9 @@ class Engine:
             if self.balancer is not None and self.balancer.due(self.stats.steps):
                 self._rebalance()
             self._reap()
+            if self._pending and self.scheduler.waiting_on_flight():
+                self._finish_pending(t0)
+                t0 = time.perf_counter()
             chunks = self.scheduler.schedule()
             while chunks is None:  # memory is short: land everything in flight, then retract
                 if self._pending:
