@@ -114,11 +114,64 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="fp8_e4m3: the sliding-window KV as e4m3 values + UE8M0 scales (the model's own FP8 "
                         "window format, so the same outputs); the compressed pools keep the model dtype")
+    add_hicache(ap)
     c = ap.add_argument_group("compilation")
     c.add_argument("--max-compiled-programs", type=int,
                    help="step programs held compiled at once; the rest compile on demand, least recently used "
                         "evicted (default: as many as fit a quarter of vm.max_map_count and half the memory)")
     c.add_argument("--no-warmup", action="store_true", help="compile shapes on first use, not at start-up")
+
+
+def add_hicache(ap: argparse.ArgumentParser) -> None:
+    """The hierarchical cache's options (SGLang's names and defaults; serve/hicache.py)."""
+    h = ap.add_argument_group("hierarchical cache")
+    h.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="keep evicted prefix pages in host memory (L2) and, with a storage backend, in storage "
+                        "shared by instances that survives restarts (L3)")
+    h.add_argument("--hicache-ratio", type=float, default=2.0, metavar="X",
+                   help="the host pool's size as a multiple of the device KV pool")
+    h.add_argument("--hicache-size", type=float, default=0, metavar="GB",
+                   help="the host pool's size in GB (overrides --hicache-ratio when set)")
+    h.add_argument("--hicache-write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default="write_through",
+                   help="when pages are copied down: on commit, on their second use, or on eviction")
+    h.add_argument("--hicache-storage-backend", choices=["file"], help="the L3 backend (default: none)")
+    h.add_argument("--hicache-storage-dir", metavar="DIR",
+                   help="the file backend's directory, shareable by several instances (default: "
+                        "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)")
+    h.add_argument("--hicache-storage-size", type=float, metavar="GB",
+                   help="bound of the storage directory; least recently used pages go first (default: unbounded)")
+    h.add_argument("--hicache-storage-prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
+                   default="best_effort", help="how long a request with a storage hit waits for its prefetch")
+    h.add_argument("--hicache-storage-backend-extra-config", metavar="JSON",
+                   help='prefetch settings as JSON: {"prefetch_threshold": 256, "prefetch_timeout_base": 1.0, '
+                        '"prefetch_timeout_per_ki_token": 0.25}')
+
+
+def hicache_config(args: argparse.Namespace):
+    """The ``HiCacheConfig`` the hierarchical-cache options describe, or None (ValueError naming a bad one)."""
+    import json
+    import os
+
+    from serve.hicache import HiCacheConfig
+
+    if not args.enable_hierarchical_cache:
+        return None
+    extra = {}
+    if args.hicache_storage_backend_extra_config:
+        try:
+            extra = json.loads(args.hicache_storage_backend_extra_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from None
+        known = {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"}
+        if not isinstance(extra, dict) or set(extra) - known:
+            raise ValueError(f"--hicache-storage-backend-extra-config takes an object with {sorted(known)}")
+    directory = args.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "/tmp/hicache")
+    return HiCacheConfig(ratio=args.hicache_ratio, size_gb=args.hicache_size, write_policy=args.hicache_write_policy,
+                         storage_backend=args.hicache_storage_backend, storage_dir=directory,
+                         storage_size_gb=args.hicache_storage_size,
+                         prefetch_policy=args.hicache_storage_prefetch_policy,
+                         **extra)
 
 
 def engine_config(args: argparse.Namespace):
@@ -138,4 +191,4 @@ def engine_config(args: argparse.Namespace):
                         ep_size=args.ep_size, balanced_routing=args.enable_balanced_routing,
                         ep_num_redundant_experts=args.ep_num_redundant_experts, enable_eplb=args.enable_eplb,
                         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
-                        engram_placement=args.engram_placement)
+                        engram_placement=args.engram_placement, hicache=hicache_config(args))

@@ -37,6 +37,8 @@ from serve.detokenizer import Detokenizer
 from serve.expert_balancer import ExpertBalancer
 from serve.grammar import GrammarError, compile_grammar
 from serve.handle import Handle, RequestError
+from serve.hicache import HiCache, HiCacheConfig
+from serve.kv_pages import model_identity
 from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, SpecOptions, StepInput, enable_compilation_cache
@@ -84,6 +86,8 @@ class EngineConfig:
     eplb_rebalance_num_iterations: int = 1000
     # the Engram tables split over the devices' memory or over the host memory beside them
     engram_placement: str = "device"
+    # the hierarchical prefix cache (host and storage tiers under the radix cache: serve/hicache.py); None: off
+    hicache: HiCacheConfig | None = None
 
     def __post_init__(self):
         model_dtype(self.dtype)   # (a bad name: ValueError)
@@ -113,6 +117,8 @@ class EngineConfig:
         if self.max_running % self.dp_size:
             raise ValueError(f"--max-running-requests {self.max_running} must divide over --dp-size {self.dp_size}: "
                              "each DP rank owns an equal share of the request slots")
+        if self.hicache is not None and not self.prefix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache (without --disable-radix-cache)")
         if self.prefill_budget is not None and self.prefill_budget <= self.max_running:
             raise ValueError(f"the chunked-prefill size ({self.prefill_budget}) must exceed max_running "
                              f"({self.max_running}): a step's decodes count against it")
@@ -211,9 +217,12 @@ class Engine:
             "mappings a program measured, under %s)", min(budget.capacity() or n_programs, n_programs),
             n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
+        self.hicache = None if config.hicache is None else HiCache(
+            config.hicache, self.runner.page_layout,
+            model_identity(cfg, params, config.page_size, config.quantization), self.runner, config.pages)
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache,
-                                   config.speculative_fixed_verify, config.dp_size)
+                                   config.speculative_fixed_verify, config.dp_size, self.hicache)
         self.page_table = np.zeros((config.max_running, self.runner.pages_per_request), np.int32)
         self.stats = StepStats()
         self._ids = itertools.count()
@@ -382,6 +391,8 @@ class Engine:
                 out["dp_ranks"] = [{"dp_rank": r.index, **self._load_of(
                     [r], [q for q in s.running if q.rank == r.index])} for r in s.ranks]
             out["num_queue_reqs"] = len(s.waiting)
+            if self.hicache is not None:
+                out["hicache"] = self.hicache.metrics()
             return out
 
     def _load_of(self, ranks, running) -> dict:
@@ -401,6 +412,8 @@ class Engine:
                 return "cannot flush the cache while requests are running"
             for rank in self.scheduler.ranks:
                 rank.pool.give(rank.radix.reset())
+            if self.hicache is not None:
+                self.hicache.flush()
             return None
 
     def control_tokens(self) -> list[str]:
@@ -710,6 +723,14 @@ class Engine:
             self._stop.set()
             self._thread.join(timeout=30)
             self._thread = None
+        if self.hicache is not None and self.error is None:
+            # requests that finished before the loop stopped commit their pages, and the storage
+            # writes land: what a restart finds in storage includes the last answers
+            with self._lock:
+                while self._pending:
+                    self._finish_pending(time.perf_counter())
+                self._reap()
+            self.hicache.drain()
 
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""
@@ -738,5 +759,7 @@ class Engine:
             self.runner.step(self.runner.empty_input(t), r)
             if progress is not None:
                 progress.update(1)
+        if self.hicache is not None:
+            self.hicache.warmup(self.runner.pages_per_request)
         np.asarray(self.runner.state.last_token)
         return len(steps)

@@ -66,10 +66,26 @@ class Metrics:
         # queue, the accept length) as dp="all" when there are several ranks
         ranks = gauges.get("dp_ranks") or [{"dp_rank": 0}]
         whole = "all" if "dp_ranks" in gauges else 0
+        if "hicache" in gauges:
+            lines += self._hicache(gauges["hicache"])
         for name, value in gauges.items():
-            if name == "dp_ranks":
+            if name in ("dp_ranks", "hicache"):
                 continue
             lines.append(f"# TYPE sglang:{name} gauge")
             per_rank = [(r["dp_rank"], r[name]) for r in ranks if name in r] or [(whole, value)]
             lines += [f'sglang:{name}{{{self.labels},dp="{i}"}} {v}' for i, v in per_rank]
         return "\n".join(lines) + "\n"
+
+    def _hicache(self, h: dict) -> list[str]:
+        """The hierarchical cache's counters (``HiCache.metrics``): prompt tokens a hit took from each
+        tier, and bytes moved between tiers (engine-wide)."""
+        out = ["# HELP sglang:hicache_hit_tokens_total Prompt tokens of adopted prefix hits, by their tier",
+               "# TYPE sglang:hicache_hit_tokens_total counter"]
+        out += [f'sglang:hicache_hit_tokens_total{{{self.labels},tier="{t}"}} {n}' for t, n in h["hit_tokens"].items()]
+        out += ["# HELP sglang:hicache_bytes_moved_total Bytes copied between cache tiers",
+                "# TYPE sglang:hicache_bytes_moved_total counter"]
+        out += [f'sglang:hicache_bytes_moved_total{{{self.labels},direction="{d}"}} {n}'
+                for d, n in h["bytes_moved"].items()]
+        out += ["# TYPE sglang:hicache_host_used_pages gauge", f"sglang:hicache_host_used_pages{{{self.labels}}} "
+                f"{h['host_pages']}"]
+        return out

@@ -17,6 +17,8 @@ Design (and why):
   matched a prefix and then inserts its whole sequence passes those same pages back, and they must not be freed.
 - Page counts are kept incrementally (the scheduler reads them every step); `evict` scans the tree for leaves,
   which is O(nodes) but runs only under memory pressure.
+- ``on_evict(tokens, pages)`` hears of each evicted leaf before its pages are handed out again: ``pages`` are the
+  last pages of ``tokens``, the leaf's whole prefix (the hierarchical cache copies them to the host: serve/hicache.py).
 - A handle stays valid until its node is evicted or the cache reset; `lock` refuses a detached one. Lock right after
   `match_prefix`. Not thread-safe: the scheduler loop owns the cache.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 class _Node:
@@ -48,10 +50,11 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, on_evict: Callable[[tuple[int, ...], list[int]], None] | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self.on_evict = on_evict
         self._root = _Node((), [], None)
         self._clock = 0
         self._cached = 0
@@ -105,6 +108,8 @@ class RadixCache:
             leaf = heapq.heappop(heap)[2]
             parent = leaf.parent
             assert parent is not None
+            if self.on_evict is not None:
+                self.on_evict(self._prefix(leaf), leaf.pages)
             del parent.children[leaf.key[:self.page_size]]
             leaf.parent = None
             freed += leaf.pages
@@ -185,6 +190,10 @@ class RadixCache:
         child.key, child.pages, child.parent = child.key[n:], child.pages[n // ps:], mid
         mid.children[child.key[:ps]] = child
         return mid
+
+    def _prefix(self, node: _Node) -> tuple[int, ...]:
+        """The tokens from the root to the end of ``node``'s edge."""
+        return tuple(t for n in reversed(self._path(node)) for t in n.key)
 
     def _path(self, node: _Node) -> list[_Node]:
         """node and its ancestors, root excluded; ValueError if node is no longer in this tree."""

@@ -36,6 +36,7 @@ from model.config import ModelConfig
 from model.dspark import write_context
 from model.forward import Cut, forward, forward_trunk, forward_tail
 from model.state import ModelState, init_state, state_dtype
+from serve.kv_pages import PageLayout, read_pages, write_pages
 from serve.programs import ProgramCache, shared_programs
 from serve.sampling import SampleOutput, SamplingArrays, sample
 from serve.speculative import SpecInput, speculate
@@ -337,6 +338,7 @@ class ModelRunner:
         self.programs = programs or shared_programs()
         self.handoff_rows = buckets.replay[-1] if buckets.replay else 0
         self.signature = Signature.of(cfg, num_top, params, self.state, engram_map, spec=spec)
+        self.page_layout = PageLayout.of(cfg, page_size, state_dtype(params))
         self._compiles_at_start = self.programs.compiles
 
     def _ratios(self) -> list[int]:
@@ -365,6 +367,21 @@ class ModelRunner:
                               (self.params, self.state, handoff, ban, self.engram_map),
                               dict(cfg=cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
         return out
+
+    def read_pages(self, pages) -> jax.Array:
+        """``[len(pages), page_elems]``: whole pages of the compressed pools (serve/kv_pages.py), read
+        after the steps dispatched so far, not waited for."""
+        m = self.state.model
+        return read_pages(m.comp_kv, m.index_k, pages, self.page_layout)
+
+    def write_pages(self, pages, data: np.ndarray) -> None:
+        """Write whole pages into the compressed pools, before the next step (kept split as they were)."""
+        m = self.state.model
+        shardings = jax.tree.map(lambda x: x.sharding, (m.comp_kv, m.index_k))
+        comp_kv, index_k = write_pages(m.comp_kv, m.index_k, pages, data, self.page_layout)
+        if self.mesh is not None:
+            comp_kv, index_k = jax.device_put((comp_kv, index_k), shardings)
+        self.state = self.state._replace(model=m.replace(comp_kv=comp_kv, index_k=index_k))
 
     @property
     def compile_count(self) -> int:

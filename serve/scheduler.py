@@ -31,14 +31,24 @@ one rank, and retraction frees memory on the rank that ran out. A new request go
 a router named (``data_parallel_rank``, as SGLang's gateway sends in its ``dp-aware`` mode),
 else to the rank holding its longest cached prefix (past the window), else to the rank with
 the fewest requests (shortest queue), then the most free pages.
+
+Hierarchical cache (``hicache``, serve/hicache.py): a rank's radix cache hands the pages it evicts
+to the host tier; a waiting request is admitted once its storage prefetch allows (``HiCache.ready``);
+at admission the pages after the device's prefix that the host tier holds are loaded into fresh
+pages and join the rank's radix tree (``_promote``), so the hit is then an ordinary device hit; and
+committed or hit pages are reported (``HiCache.used``) for the write policy.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serve.radix_cache import RadixCache
 from serve.request import Request
+
+if TYPE_CHECKING:   # the scheduler stays pure Python
+    from serve.hicache import HiCache
 
 
 class PagePool:
@@ -60,11 +70,12 @@ class PagePool:
 class DpRank:
     """One DP rank's share of the engine: its slots, its pages and its prefix cache over them."""
 
-    def __init__(self, index: int, slots: range, pages: range, page_size: int, prefix_cache: bool):
+    def __init__(self, index: int, slots: range, pages: range, page_size: int, prefix_cache: bool,
+                 hicache: HiCache | None = None):
         self.index = index
         self.free_slots = list(reversed(slots))
         self.pool = PagePool(pages)
-        self.radix = RadixCache(page_size) if prefix_cache else None
+        self.radix = RadixCache(page_size, None if hicache is None else hicache.demote) if prefix_cache else None
 
     def grab(self, n: int) -> list[int] | None:
         pages = self.pool.take(n)
@@ -99,15 +110,17 @@ def _needs_flight(req: Request) -> bool:
 
 class Scheduler:
     def __init__(self, max_running: int, page_size: int, num_pages: int, prefill_budget: int, window: int,
-                 max_len: int, prefix_cache: bool, fixed_verify: bool = False, dp: int = 1):
+                 max_len: int, prefix_cache: bool, fixed_verify: bool = False, dp: int = 1,
+                 hicache: HiCache | None = None):
         self.page_size, self.window, self.max_len = page_size, window, max_len
         self.prefill_budget, self.max_running = prefill_budget, max_running
         self.fixed_verify = fixed_verify  # verify every draft, even past max_new_tokens (benchmarks)
         if max_running % dp or num_pages % dp:
             raise ValueError(f"{max_running} slots and {num_pages} pages do not split over {dp} DP ranks")
         slots, pages = max_running // dp, num_pages // dp
+        self.hicache = hicache if prefix_cache else None
         self.ranks = [DpRank(r, range(r * slots, (r + 1) * slots), range(r * pages, (r + 1) * pages), page_size,
-                             prefix_cache) for r in range(dp)]
+                             prefix_cache, self.hicache) for r in range(dp)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._admissions = 0
@@ -159,6 +172,8 @@ class Scheduler:
                     full = min(req.computed, len(req.ids)) // self.page_size
                     _, dup = rank.radix.insert(req.ids[:full * self.page_size], req.pages[:full])
                     rank.pool.give(dup)
+                    if self.hicache is not None:
+                        self.hicache.used(req.ids[:full * self.page_size], req.pages[:full], req.shared_pages)
                     pages = req.pages[max(full, req.shared_pages):]
                 if req.radix_node is not None:
                     rank.radix.unlock(req.radix_node)
@@ -215,17 +230,51 @@ class Scheduler:
         start = 0
         radix = rank.radix
         if radix is not None and (usable := self._usable(req)) is not None:
+            tiers = self._promote(rank, usable) if self.hicache is not None else None
             m = radix.match_prefix(usable)
             if m.length > self.window:
                 radix.lock(m.node)
                 req.radix_node, req.pages, req.shared_pages = m.node, list(m.pages), len(m.pages)
                 req.cached_tokens = min(m.length, len(req.prompt))
                 start = m.length - self.window
+                if tiers is not None:
+                    self.hicache.record_hit(**tiers)
+                    self.hicache.used(usable, m.pages)
         if radix is not None and req.admissions == 1:
             radix.record_request(len(req.prompt), req.cached_tokens)
         req.computed = start
         self.running.append(req)
         return start
+
+    def _promote(self, rank: DpRank, usable: list[int]) -> dict[str, int]:
+        """Load the pages after the device's prefix of ``usable`` that the host tier holds into fresh
+        pages of ``rank`` and add them to its radix tree (as many as its pages allow, and only if the
+        hit then passes the window); the hit's pages by the tier they came from."""
+        radix, ps = rank.radix, self.page_size
+        m = radix.match_prefix(usable)
+        found = self.hicache.match(usable, len(m.pages))
+        n = min(len(found), len(rank.pool.free) + rank.evictable - len(m.pages) * (m.node.lock_ref == 0))
+        tiers = {"device": len(m.pages), "host": 0, "storage": 0}
+        if n <= 0 or (len(m.pages) + n) * ps <= self.window:
+            return tiers
+        radix.lock(m.node)   # evictions for the new pages must not take the prefix they extend
+        pages = rank.grab(n)
+        if pages is not None:
+            tiers |= self.hicache.load(pages, found[:n])
+            _, dup = radix.insert(usable[:(len(m.pages) + n) * ps], list(m.pages) + pages)
+            rank.pool.give(dup)
+        radix.unlock(m.node)
+        return tiers
+
+    def _prefetched(self, req: Request) -> bool:
+        """Whether ``req``'s storage prefetch lets it be admitted now (``HiCache.ready``)."""
+        if self.hicache is None or self.hicache.storage is None:
+            return True
+        usable = self._usable(req)
+        if not usable:
+            return True
+        local = max((r.radix.prefix_length(usable) for r in self.ranks), default=0) // self.page_size
+        return self.hicache.ready(req.rid, usable, local)
 
     # ------------------------------------------------------------------ planning
     def waiting_on_flight(self) -> bool:
@@ -272,7 +321,7 @@ class Scheduler:
             if req.finished:
                 self.waiting.remove(req)
                 continue
-            rank = self._place(req, budget, full)
+            rank = self._place(req, budget, full) if self._prefetched(req) else None
             if rank is None:
                 passed.add(req.rid)
                 continue

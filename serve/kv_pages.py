@@ -1,0 +1,134 @@
+"""A V4.1 KV page as the host and storage tiers hold it (serve/hicache.py): its contents, its key, its copies.
+
+What a page holds. Only the *global* state of its ``page_size`` tokens: for every KV source, its
+``page_size // ratio`` compressed-KV rows and as many indexer-key rows, in the pools' dtype, laid end
+to end (``PageLayout``: the sources' KV rows, then their key rows). The window rings are never stored:
+a hit restarts ``window`` tokens before its end and encoder replay rebuilds them (MODEL_SPEC §6), as
+for a device hit. The ratio-2 pending pair at a page's end is part of the format in principle, but it
+is always empty: page sizes are even (``EngineConfig``), so a page boundary closes every ratio-2 group
+and no token of a cached page waits for a partner; the replay regenerates the tails in any case.
+
+A page's key is a chained SHA-256: ``key_j = H(key_{j-1} || tokens of page j)`` from ``key_{-1} =
+H(model identity)``, so it names the page's whole prefix (two prompts share a key only if they share
+every token before it) and pages of another model, page size or KV dtype never match
+(``model_identity``).
+
+The copies are jitted gathers and scatters of whole pages between the device pools and ``[n,
+page_elems]`` arrays, padded to a power of two of pages so a handful of programs serve every count
+(a padded scatter row lands out of range and is dropped).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The pools a page spans: ``(rows a page, row width)`` for each source's compressed KV, then
+    for each source's indexer keys, all in ``dtype``."""
+    page_size: int
+    ratios: tuple[int, ...]  # per KV source
+    head_dim: int
+    index_head_dim: int
+    dtype: str
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, page_size: int, dtype) -> "PageLayout":
+        ratios = tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
+        if any(page_size % r for r in ratios):
+            raise ValueError(f"page_size {page_size} must be a multiple of every compress ratio {ratios}")
+        return cls(page_size, ratios, cfg.head_dim, cfg.index_head_dim, jnp.dtype(dtype).name)
+
+    @property
+    def parts(self) -> tuple[tuple[int, int], ...]:
+        rows = [self.page_size // r for r in self.ratios]
+        return tuple((n, self.head_dim) for n in rows) + tuple((n, self.index_head_dim) for n in rows)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def page_elems(self) -> int:
+        return sum(n * w for n, w in self.parts)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.page_bytes / self.page_size
+
+
+def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization: str) -> bytes:
+    """What must agree for two engines' pages to be interchangeable: the config, the page size, the
+    pools' dtype, the expert quantisation (it changes every later layer's KV) and the weights, which
+    a few embedding rows stand for (two random inits of one config differ there)."""
+    embed = params["embed"]
+    h = hashlib.sha256()
+    for part in (repr(cfg), page_size, jnp.dtype(embed.dtype).name, quantization):
+        h.update(repr(part).encode() + b"\0")
+    h.update(np.asarray(embed[:4], np.float32).tobytes())
+    return h.digest()
+
+
+def page_keys(identity: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """The chained keys of the whole pages of ``tokens`` (module docstring)."""
+    toks = np.asarray(tokens[:len(tokens) - len(tokens) % page_size], np.int64)
+    key, out = hashlib.sha256(identity).digest(), []
+    for j in range(len(toks) // page_size):
+        key = hashlib.sha256(key + toks[j * page_size:(j + 1) * page_size].tobytes()).digest()
+        out.append(key)
+    return out
+
+
+def _padded(pages: Sequence[int], fill: int) -> np.ndarray:
+    n = 1 << max(len(pages) - 1, 0).bit_length()
+    return np.asarray(list(pages) + [fill] * (n - len(pages)), np.int32)
+
+
+def _rows(pages: jax.Array, per: int) -> jax.Array:
+    return (pages[:, None] * per + jnp.arange(per)).reshape(-1)
+
+
+@partial(jax.jit, static_argnames="layout")
+def _gather(pools: tuple, pages: jax.Array, layout: PageLayout) -> jax.Array:
+    parts = [pool[_rows(pages, n)].reshape(pages.shape[0], n * w) for pool, (n, w) in zip(pools, layout.parts)]
+    return jnp.concatenate(parts, axis=1)
+
+
+@partial(jax.jit, static_argnames="layout", donate_argnums=0)
+def _scatter(pools: tuple, pages: jax.Array, data: jax.Array, layout: PageLayout) -> tuple:
+    out, at = [], 0
+    for pool, (n, w) in zip(pools, layout.parts):
+        rows = data[:, at:at + n * w].reshape(-1, w).astype(pool.dtype)
+        out.append(pool.at[_rows(pages, n)].set(rows, mode="drop"))
+        at += n * w
+    return tuple(out)
+
+
+def read_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], layout: PageLayout) -> jax.Array:
+    """``[len(pages), page_elems]`` on the device, dispatched (not waited for)."""
+    return _gather(tuple(comp_kv) + tuple(index_k), jnp.asarray(_padded(pages, 0)), layout)[:len(pages)]
+
+
+def write_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], data: np.ndarray,
+                layout: PageLayout) -> tuple[tuple, tuple]:
+    """The pools with ``data`` (``[len(pages), page_elems]``) written into ``pages``; the old pools
+    are donated."""
+    idx = _padded(pages, comp_kv[0].shape[0] * layout.ratios[0] // layout.page_size)   # past the pool: dropped
+    rows = np.zeros((len(idx), layout.page_elems), data.dtype)
+    rows[:len(pages)] = data
+    out = _scatter(tuple(comp_kv) + tuple(index_k), jnp.asarray(idx), jnp.asarray(rows), layout)
+    k = len(comp_kv)
+    return out[:k], out[k:]
