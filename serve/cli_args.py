@@ -91,11 +91,11 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
     par.add_argument("--enable-eplb", action="store_true",
                      help="count each expert's routed tokens and re-place the experts (and their copies) to "
                           "balance the expert ranks, periodically; outputs unchanged")
+    par.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, metavar="N",
+                     help="steps between EPLB rebalances, each on the load counted since the last")
     par.add_argument("--engram-placement", choices=["device", "host"], default="device",
                      help="the Engram tables split by rows over the devices' memory, or over the host memory "
                           "beside them (looked up by the host, only the step's rows sent to the devices)")
-    par.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, metavar="N",
-                     help="steps between EPLB rebalances, each on the load counted since the last")
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", choices=["DSPARK"],
                     help="DSPARK: the model's block draft (its mtp.* layers) proposes, the model verifies")
