@@ -94,7 +94,6 @@ class FileStorage(HiCacheStorage):
         try:
             with open(path, "rb") as f:
                 blob = f.read(_HEADER.size + self.page_bytes + 1)
-            os.utime(path)   # recently used: evicted last
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -109,6 +108,10 @@ class FileStorage(HiCacheStorage):
             return None
         with self._lock:
             self.stats["read_bytes"] += self.page_bytes
+        try:
+            os.utime(path)   # recently used: evicted last (a read-only or shared directory may refuse)
+        except OSError:
+            pass
         return blob[_HEADER.size:]
 
     def _invalid(self, blob: bytes, key: bytes) -> str | None:
@@ -177,7 +180,7 @@ class FileStorage(HiCacheStorage):
             pages = self._listing()
             total = sum(s for _, _, s in pages)
             pages.sort()
-            target = self.max_bytes - size
+            target = min(self.max_bytes - size, int(0.9 * self.max_bytes))   # a margin: not a rescan a write
             removed = 0
             for _, path, s in pages:
                 if total <= target:

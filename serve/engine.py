@@ -184,7 +184,8 @@ class Engine:
         if config.ep_num_redundant_experts or config.enable_eplb:
             self.balancer = ExpertBalancer(self.model.cfg, self.mesh, config.ep_num_redundant_experts,
                                            config.eplb_rebalance_num_iterations if config.enable_eplb else None)
-            self.model = dataclasses.replace(self.model, params=self.balancer.initial(self.model.params))
+            self.balancer.initial(self.model.params,
+                                  lambda params: setattr(self, "model", dataclasses.replace(self.model, params=params)))
         cfg, params, emap = self.model.cfg, self.model.params, self.model.engram_map
         self.cfg, self.config = cfg, config
         self.tokenizer = tokenizer
@@ -457,6 +458,7 @@ class Engine:
             if self._pending and self.scheduler.waiting_on_flight():
                 self._finish_pending(t0)
                 t0 = time.perf_counter()
+                self._reap()
             chunks = self.scheduler.schedule()
             while chunks is None:  # memory is short: land everything in flight, then retract
                 if self._pending:
@@ -476,8 +478,15 @@ class Engine:
     def _rebalance(self) -> None:
         """EPLB: the experts re-placed for the load the steps counted (the same outputs)."""
         state = self.runner.state
-        params, zeroed = self.balancer.rebalance(self.model.params, state.model.expert_load, self.stats.steps)
+        try:
+            zeroed = self.balancer.rebalance(self.model.params, state.model.expert_load, self.stats.steps,
+                                             self._use_params)
+        except Exception:   # serving goes on: every layer keeps a placement, the old or the new
+            logging.getLogger("megajax").exception("eplb: the rebalance failed; serving on the placement it left")
+            return
         self.runner.state = state._replace(model=state.model.replace(expert_load=zeroed))
+
+    def _use_params(self, params: dict) -> None:
         self.model = dataclasses.replace(self.model, params=params)
         self.runner.params, self.scorer.model = params, self.model
 

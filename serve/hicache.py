@@ -188,10 +188,15 @@ class HiCache:
             out.append(page)
         return out
 
-    def load(self, pages: Sequence[int], found: Sequence[HostPage]) -> dict[str, int]:
-        """Write ``found`` into device ``pages``; the pages that came from each lower tier."""
-        data = np.stack([p.array() for p in found])
-        self.device.write_pages(pages, data)
+    def load(self, pages: Sequence[int], found: Sequence[HostPage]) -> dict[str, int] | None:
+        """Write ``found`` into device ``pages``; the pages that came from each lower tier (None:
+        the copy failed, logged, and the hit is a miss)."""
+        try:
+            data = np.stack([p.array() for p in found])
+            self.device.write_pages(pages, data)
+        except Exception:   # a failed copy must not take the engine loop with it
+            log.exception("hicache: loading %d pages to the device failed: a miss", len(pages))
+            return None
         tiers = {"host": 0, "storage": 0}
         for p in found:
             tiers["storage" if p.from_storage else "host"] += 1
@@ -230,7 +235,10 @@ class HiCache:
         for k in keys:
             self._uses.pop(k, None)
         keep = [j for j, k in enumerate(keys) if k not in self.host]
-        self._copy_down([keys[j] for j in keep], [pages[j] for j in keep], to_storage=self._threshold is not None)
+        try:
+            self._copy_down([keys[j] for j in keep], [pages[j] for j in keep], to_storage=self._threshold is not None)
+        except Exception:   # the eviction goes on: these pages are then simply gone, as without the tiers
+            log.exception("hicache: copying %d evicted pages to the host failed: they are dropped", len(keep))
 
     def _copy_down(self, keys: list[bytes], pages: list[int], to_storage: bool) -> None:
         if not keys:

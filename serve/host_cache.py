@@ -16,20 +16,23 @@ import numpy as np
 class HostPage:
     """One page's contents: a row of a device array being copied to the host, or host bytes."""
     __slots__ = ("_device", "_row", "_host", "from_storage")
-    _copy = threading.Lock()   # the scheduler and a storage thread may ask for the same page's bytes
 
     def __init__(self, device=None, row: int = 0, host: np.ndarray | None = None, from_storage: bool = False):
         self._device, self._row, self._host = device, row, host
         self.from_storage = from_storage  # prefetched from L3, not yet loaded onto the device
 
     def array(self) -> np.ndarray:
-        if self._host is None:
-            with self._copy:
-                if self._host is None:
-                    # a copy, not a view: the batch's other rows may leave L2 before this one
-                    self._host = np.asarray(self._device)[self._row].copy()
-                    self._device = None   # the device batch goes when its last page has landed
-        return self._host
+        # No lock: the scheduler and a storage thread may both land the same page; both get the
+        # same bytes, and neither waits on another page's copy.
+        host = self._host
+        if host is None:
+            device = self._device
+            if device is None:   # another thread landed it in between
+                return self._host
+            # a copy, not a view: the batch's other rows may leave L2 before this one
+            host = np.asarray(device)[self._row].copy()
+            self._host, self._device = host, None   # the device batch goes when its last page has landed
+        return host
 
 
 class HostPool:

@@ -73,12 +73,14 @@ class PageLayout:
 def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization: str) -> bytes:
     """What must agree for two engines' pages to be interchangeable: the config, the page size, the
     pools' dtype, the expert quantisation (it changes every later layer's KV) and the weights, which
-    a few embedding rows stand for (two random inits of one config differ there)."""
-    embed = params["embed"]
+    the first 64 values of every tensor stand for (two fine-tunes of one base differ somewhere in
+    most tensors, not in the embedding alone)."""
     h = hashlib.sha256()
-    for part in (repr(cfg), page_size, jnp.dtype(embed.dtype).name, quantization):
+    for part in (repr(cfg), page_size, jnp.dtype(params["embed"].dtype).name, quantization):
         h.update(repr(part).encode() + b"\0")
-    h.update(np.asarray(embed[:4], np.float32).tobytes())
+    for leaf in jax.tree.leaves(params):
+        head = leaf[(0,) * (leaf.ndim - 1)][:64] if leaf.ndim else leaf
+        h.update(np.asarray(head).tobytes())
     return h.digest()
 
 

@@ -238,7 +238,8 @@ class Scheduler:
                 req.cached_tokens = min(m.length, len(req.prompt))
                 start = m.length - self.window
                 if tiers is not None:
-                    self.hicache.record_hit(**tiers)
+                    if req.admissions == 1:   # a retracted request's readmission is not a new hit
+                        self.hicache.record_hit(**tiers)
                     self.hicache.used(usable, m.pages)
         if radix is not None and req.admissions == 1:
             radix.record_request(len(req.prompt), req.cached_tokens)
@@ -259,10 +260,13 @@ class Scheduler:
             return tiers
         radix.lock(m.node)   # evictions for the new pages must not take the prefix they extend
         pages = rank.grab(n)
-        if pages is not None:
-            tiers |= self.hicache.load(pages, found[:n])
+        loaded = None if pages is None else self.hicache.load(pages, found[:n])
+        if loaded is not None:
+            tiers |= loaded
             _, dup = radix.insert(usable[:(len(m.pages) + n) * ps], list(m.pages) + pages)
             rank.pool.give(dup)
+        elif pages is not None:   # the copy failed: a miss, its pages back to the pool
+            rank.pool.give(pages)
         radix.unlock(m.node)
         return tiers
 
@@ -273,7 +277,8 @@ class Scheduler:
         usable = self._usable(req)
         if not usable:
             return True
-        local = max((r.radix.prefix_length(usable) for r in self.ranks), default=0) // self.page_size
+        # the shortest rank's prefix: whichever rank the request lands on, the prefetched pages follow it
+        local = min((r.radix.prefix_length(usable) for r in self.ranks), default=0) // self.page_size
         return self.hicache.ready(req.rid, usable, local)
 
     # ------------------------------------------------------------------ planning

@@ -36,7 +36,13 @@ def expert_ranks() -> int:
 
 
 def moe(x: jnp.ndarray, p: dict, spec: MoeSpec) -> jnp.ndarray:
-    return local_moe(x, p, spec) if expert_ranks() == 1 else exchanged_moe(x, p, spec)
+    if expert_ranks() > 1:
+        return exchanged_moe(x, p, spec)
+    if "placement" not in p:
+        return local_moe(x, p, spec)
+    # physical stacks traced outside their mesh (the scorer): each pair to a copy of its expert
+    weights, ids = route(x, p, spec)
+    return routed_experts(x, weights, physical(ids, p["placement"]), p, spec, with_shared=True).astype(x.dtype)
 
 
 def exchanged_moe(x: jnp.ndarray, p: dict, spec: MoeSpec) -> jnp.ndarray:

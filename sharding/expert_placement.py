@@ -4,8 +4,8 @@ With ``R`` redundant experts (``--ep-num-redundant-experts``) each MoE layer hol
 physical experts, split evenly over the ``expert`` ranks, and every logical expert has one
 or more physical copies with the same weights. A layer's ``Placement`` maps each logical
 expert to its copies (``log2phy [E, R + 1]``, padded with -1, and ``count [E]``);
-``physical`` sends the ``j``-th routed pair of a step to copy ``j mod count`` of its expert,
-so a hot expert's pairs spread over its copies. Routing is untouched: the copies hold the same
+``physical`` sends the ``j``-th of a step's pairs for an expert to its copy ``j mod count``,
+so a hot expert's pairs spread evenly over its copies. Routing is untouched: the copies hold the same
 weights, so the outputs are the logical model's whatever the placement (only which device
 computes a pair changes).
 
@@ -13,9 +13,10 @@ computes a pair changes).
 ``p mod E``, as SGLang's ``--init-expert-location trivial``); ``plan`` is the EPLB placement
 for one layer's measured load: the extra copies go, one at a time, to the expert with the
 most load per copy (one copy a rank at most), then the copies are packed heaviest first onto the least loaded rank
-that has room and does not already hold that expert. ``place`` applies placements to the
-parameters, gathering each new physical stack from a device that holds its expert already,
-so rebalancing a running server moves weights between devices and never reads a checkpoint.
+that has room and does not already hold that expert. ``place_layer`` applies placements to the
+parameters a layer at a time (``place_layer``), gathering each new physical stack from a device
+that holds its expert already, so rebalancing a running server moves weights between devices
+and never reads a checkpoint.
 The placement tables are arrays of the parameters, so a rebalanced server runs the programs
 it has compiled.
 """
@@ -62,9 +63,14 @@ jax.tree_util.register_dataclass(Placement, data_fields=["log2phy", "count"], me
 
 
 def physical(ids: jnp.ndarray, placement: Placement) -> jnp.ndarray:
-    """The physical expert of each routed pair ``ids [T, k]`` (logical ids)."""
-    pair = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape)
-    return placement.log2phy[ids, pair % placement.count[ids]]
+    """The physical expert of each routed pair ``ids [T, k]`` (logical ids): an expert's pairs
+    are dealt to its copies in turn, by their order among that expert's pairs (not by their
+    top-k slot, which a hot expert mostly holds at 0)."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    first = jnp.searchsorted(flat[order], jnp.arange(placement.count.shape[0], dtype=flat.dtype), side="left")
+    nth = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=flat.dtype) - first[flat[order]])
+    return placement.log2phy[flat, nth % placement.count[flat]].reshape(ids.shape)
 
 
 def trivial(experts: int, physical_experts: int) -> np.ndarray:
@@ -102,24 +108,18 @@ def rank_loads(load: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
     return (np.asarray(load, np.float64)[phy2log] / count[phy2log]).reshape(ranks, -1).sum(1)
 
 
-def placements(params: dict) -> list[Placement | None]:
-    """Each backbone layer's placement (None: logical experts only)."""
-    return [lp["moe"].get("placement") for lp in params["layers"]]
-
-
-def place(params: dict, phy2logs: list[np.ndarray], mesh: Mesh) -> dict:
-    """``params`` with layer ``i``'s routed experts laid out as ``phy2logs[i]`` says, split over
-    ``mesh``'s ``expert`` axis, and its ``Placement``."""
+def place_layer(params: dict, i: int, phy2log: np.ndarray, mesh: Mesh, now: np.ndarray | None = None) -> dict:
+    """``params`` with layer ``i``'s routed experts laid out as ``phy2log`` says, split over
+    ``mesh``'s ``expert`` axis, and its ``Placement`` (``now``: the layer's current ``phy2log``,
+    None while its stacks are the logical ones)."""
     layers = list(params["layers"])
-    for i, phy2log in enumerate(phy2logs):
-        moe = layers[i]["moe"]
-        experts = len(np.asarray(moe["bias"]))
-        now = moe.get("placement")
-        # each new physical expert is copied from one that holds its logical expert now
-        source = phy2log if now is None else np.asarray(now.log2phy)[phy2log, 0]
-        stacks = _gather(mesh)({k: moe[k] for k in EXPERT_WEIGHTS}, jnp.asarray(source))
-        placement = jax.device_put(Placement.of(phy2log, experts), NamedSharding(mesh, P()))
-        layers[i] = {**layers[i], "moe": {**moe, **stacks, "placement": placement}}
+    moe = layers[i]["moe"]
+    experts = moe["bias"].shape[0]
+    # each new physical expert is copied from one that holds its logical expert now
+    source = phy2log if now is None else np.argsort(now, kind="stable")[np.searchsorted(np.sort(now), phy2log)]
+    stacks = _gather(mesh)({k: moe[k] for k in EXPERT_WEIGHTS}, jnp.asarray(source))
+    placement = jax.device_put(Placement.of(phy2log, experts), NamedSharding(mesh, P()))
+    layers[i] = {**layers[i], "moe": {**moe, **stacks, "placement": placement}}
     return {**params, "layers": layers}
 
 

@@ -43,6 +43,14 @@ def test_pairs_of_an_expert_spread_over_its_copies():
     assert set(got[np.asarray(ids) == 0]) == {0, 3, 5}   # and expert 0's four pairs use every copy
 
 
+def test_a_hot_experts_pairs_split_evenly_whatever_their_top_k_slot():
+    """With two copies and top-2, a slot-based choice would send every slot-0 pair to one copy."""
+    p = Placement.of(np.array([0, 1, 2, 0], np.int32), 3)   # logical 0 on physical 0 and 3
+    ids = jnp.asarray([[0, 1], [0, 2], [0, 1], [0, 2], [1, 0], [0, 1]], jnp.int32)
+    got = np.asarray(physical(ids, p))[np.asarray(ids) == 0]
+    assert list(np.bincount(got, minlength=4)[[0, 3]]) == [3, 3]   # by slot it would be 5 and 1
+
+
 def test_the_forward_counts_each_layers_routed_pairs_per_slot():
     import jax
 

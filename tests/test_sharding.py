@@ -87,8 +87,9 @@ def test_redundant_experts_eplb_and_host_engram_keep_the_one_device_tokens(engin
     assert got["tokens"] == engine_runs["one_device"], got
     assert got["table_memory"] == "pinned_host", got
     assert got["physical"] == 12 and got["per_device"] == 3 and sorted(set(got["placement"])) == list(range(8))
-    assert got["rebalances"] >= 2, got
+    assert got["rebalances"] >= 2 and got["moved"] > 0, got   # the placement left the trivial one
     assert got["balance"]["after"] <= got["balance"]["before"], got
+    assert got["scorer_max_diff"] < 1e-3, got   # scoring outside the mesh reads the physical stacks right
 
 
 def test_host_engram_on_one_device_keeps_its_tokens(engine_runs):
@@ -205,6 +206,7 @@ def _engine_runs() -> dict:
 
     from serve.default_model import random_config, random_params
     from serve.engine import Engine, EngineConfig
+    from sharding.expert_placement import trivial
 
     cfg = random_config()
     params = random_params(cfg)
@@ -217,7 +219,10 @@ def _engine_runs() -> dict:
                                              **placement))
         return e, [r["output_ids"] for r in e.generate(prompts, sp, decode_text=False)]
 
-    out = {"one_device": run(1, 1)[1]}
+    one, out = run(1, 1), {}
+    out["one_device"] = one[1]
+    probe = [prompts[1]]   # the scorer's last logits, on the placement a rebalance left
+    want_logits = np.asarray(one[0].last_logits(probe))
     e, tokens = run(2, 4, ep_num_redundant_experts=4, enable_eplb=True, eplb_rebalance_num_iterations=3,
                     engram_placement="host")
     w1 = e.model.params["layers"][0]["moe"]["w1"]
@@ -225,6 +230,8 @@ def _engine_runs() -> dict:
     out["eplb"] = {"tokens": tokens, "rebalances": e.balancer.rebalances, "balance": vars(e.balancer.balance),
                    "physical": w1.shape[0], "per_device": {s.data.shape[0] for s in w1.addressable_shards}.pop(),
                    "placement": e.model.params["layers"][0]["moe"]["placement"].phy2log.tolist(),
+                   "moved": sum(not np.array_equal(p, trivial(cfg.n_routed_experts, 12)) for p in e.balancer.placement),
+                   "scorer_max_diff": float(np.abs(np.asarray(e.last_logits(probe)) - want_logits).max()),
                    "table_memory": table.sharding.memory_kind}
     e, tokens = run(1, 1, engram_placement="host")   # one device: a 1 x 1 mesh
     table = e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows
