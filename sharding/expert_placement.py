@@ -5,20 +5,19 @@ physical experts, split evenly over the ``expert`` ranks, and every logical expe
 or more physical copies with the same weights. A layer's ``Placement`` maps each logical
 expert to its copies (``log2phy [E, R + 1]``, padded with -1, and ``count [E]``);
 ``physical`` sends the ``j``-th of a step's pairs for an expert to its copy ``j mod count``,
-so a hot expert's pairs spread evenly over its copies. Routing is untouched: the copies hold the same
-weights, so the outputs are the logical model's whatever the placement (only which device
-computes a pair changes).
+so a hot expert's pairs spread evenly over its copies. Routing is untouched: the copies hold
+the same weights, so the outputs are the logical model's whatever the placement (only which
+device computes a pair changes).
 
 ``trivial`` is the placement a server starts with (physical expert ``p`` holds logical
 ``p mod E``, as SGLang's ``--init-expert-location trivial``); ``plan`` is the EPLB placement
 for one layer's measured load: the extra copies go, one at a time, to the expert with the
-most load per copy (one copy a rank at most), then the copies are packed heaviest first onto the least loaded rank
-that has room and does not already hold that expert. ``place_layer`` applies placements to the
-parameters a layer at a time (``place_layer``), gathering each new physical stack from a device
-that holds its expert already, so rebalancing a running server moves weights between devices
-and never reads a checkpoint.
-The placement tables are arrays of the parameters, so a rebalanced server runs the programs
-it has compiled.
+most load per copy (one copy a rank at most), then the copies are packed heaviest first onto
+the least loaded rank that has room and does not already hold that expert. ``place_layer``
+applies a placement to one layer's parameters, gathering each new physical stack from a
+device that holds its expert already, so rebalancing a running server moves weights between
+devices and never reads a checkpoint. The placement tables are arrays of the parameters, so
+a rebalanced server runs the programs it has compiled.
 """
 from __future__ import annotations
 
