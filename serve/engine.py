@@ -739,7 +739,8 @@ class Engine:
                 while self._pending:
                     self._finish_pending(time.perf_counter())
                 self._reap()
-            self.hicache.drain()
+        if self.hicache is not None:
+            self.hicache.close()
 
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""

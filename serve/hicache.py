@@ -92,7 +92,7 @@ class HiCacheConfig:
 class PageDevice(Protocol):
     """The device pools (serve/runner.py's ``ModelRunner``)."""
 
-    def read_pages(self, pages: Sequence[int]) -> jax.Array: ...
+    def read_pages(self, pages: Sequence[int]) -> jax.Array: ...   # row i: pages[i] (padded past them)
 
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None: ...
 
@@ -126,8 +126,10 @@ class HiCache:
             bound = None if config.storage_size_gb is None else int(config.storage_size_gb * 1e9)
             self.storage = make_storage(config.storage_backend, config.storage_dir, identity, layout.page_bytes,
                                         bound)
-        # device→host copies land, storage reads and writes run here, off the scheduler's thread
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="hicache-io")
+        # off the scheduler's thread: prefetches (storage reads) on one executor, device→host landings
+        # and storage writes on another, so a backlog of writes never delays an admission's read
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="hicache-read")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="hicache-write")
         self._threshold = {"write_through": 1, "write_through_selective": 2, "write_back": None}[config.write_policy]
         self._uses: dict[bytes, int] = {}   # device pages' uses, for write_through_selective
         self._prefetches: OrderedDict[str, _Prefetch] = OrderedDict()
@@ -136,25 +138,25 @@ class HiCache:
         self.hit_tokens = dict.fromkeys(TIERS, 0)
         self.moved = {"device_to_host": 0, "host_to_device": 0, "storage_to_host": 0, "host_to_storage": 0}
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return page_keys(self.identity, tokens, self.layout.page_size)
+    def keys(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+        """The page keys of ``tokens``' whole pages, continuing ``known`` (its first pages' keys)."""
+        return page_keys(self.identity, tokens, self.layout.page_size, known)
 
     # ------------------------------------------------------------------ admission
-    def ready(self, rid: str, tokens: Sequence[int], local_pages: int) -> bool:
-        """Whether a waiting request may be admitted now (module docstring, step 1); ``local_pages``:
-        the pages of ``tokens`` the device holds."""
+    def ready(self, rid: str, keys: Sequence[bytes], local_pages: int) -> bool:
+        """Whether a waiting request may be admitted now (module docstring, step 1); ``keys``: its
+        usable prompt's page keys, ``local_pages``: how many of them the device holds."""
         if self.storage is None:
             return True
         op = self._prefetches.get(rid)
         if op is None:
-            keys = self.keys(tokens)
             start = local_pages + self.host.prefix(keys[local_pages:])
             todo = keys[start:]
             if len(todo) * self.layout.page_size < max(self.config.prefetch_threshold, 1):
                 return True   # nothing L3 could add that is worth a prefetch
             c = self.config
             wait = c.prefetch_timeout_base + c.prefetch_timeout_per_ki_token * len(todo) * self.layout.page_size / 1024
-            op = self._prefetches[rid] = _Prefetch(self._io.submit(_logged(self._prefetch), todo),
+            op = self._prefetches[rid] = _Prefetch(self._reads.submit(_logged(self._prefetch), todo),
                                                    time.monotonic() + wait)
             while len(self._prefetches) > 4096:   # requests admitted long ago
                 self._prefetches.popitem(last=False)
@@ -177,11 +179,10 @@ class HiCache:
                 self.moved["storage_to_host"] += len(payload)
             self._spill(self.host.put(key, page))
 
-    def match(self, tokens: Sequence[int], device_pages: int) -> list[HostPage]:
-        """The pages after the device's ``device_pages`` that L2 holds, in order."""
-        keys = self.keys(tokens)[device_pages:]
+    def match(self, keys: Sequence[bytes], device_pages: int) -> list[HostPage]:
+        """The pages after the device's first ``device_pages`` of ``keys`` that L2 holds, in order."""
         out = []
-        for key in keys:
+        for key in keys[device_pages:]:
             page = self.host.get(key)
             if page is None:
                 break
@@ -213,12 +214,12 @@ class HiCache:
                 self.hit_tokens[tier] += n * ps
 
     # ------------------------------------------------------------------ writes
-    def used(self, tokens: Sequence[int], pages: Sequence[int], first: int = 0) -> None:
-        """Device ``pages`` (covering ``tokens``' whole pages) were committed or hit; ``pages[first:]``
+    def used(self, keys: Sequence[bytes], pages: Sequence[int], first: int = 0) -> None:
+        """Device ``pages`` (those of ``keys``, in order) were committed or hit; ``pages[first:]``
         count a use, and those the write policy says go down now are copied."""
         if self._threshold is None:
             return
-        keys = self.keys(tokens)[:len(pages)]
+        keys = keys[:len(pages)]
         down = []
         for j in range(first, len(keys)):
             n = 1
@@ -297,7 +298,9 @@ class HiCache:
         self._uses.clear()
 
     def close(self) -> None:
+        """Land the writes and stop the I/O threads (``Engine.stop``); a second call does nothing."""
         self.drain()
+        self._reads.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True)
 
     def metrics(self) -> dict:

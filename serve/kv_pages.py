@@ -84,11 +84,16 @@ def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization:
     return h.digest()
 
 
-def page_keys(identity: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """The chained keys of the whole pages of ``tokens`` (module docstring)."""
-    toks = np.asarray(tokens[:len(tokens) - len(tokens) % page_size], np.int64)
-    key, out = hashlib.sha256(identity).digest(), []
-    for j in range(len(toks) // page_size):
+def page_keys(identity: bytes, tokens: Sequence[int], page_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The chained keys of the whole pages of ``tokens`` (module docstring); ``known``: the keys of its
+    first pages, computed before (a request's tokens only grow), which the chain continues from."""
+    n = len(tokens) // page_size
+    if len(known) >= n:
+        return list(known[:n])
+    out = list(known)
+    key = out[-1] if out else hashlib.sha256(identity).digest()
+    toks = np.asarray(tokens[len(out) * page_size:n * page_size], np.int64)
+    for j in range(n - len(out)):
         key = hashlib.sha256(key + toks[j * page_size:(j + 1) * page_size].tobytes()).digest()
         out.append(key)
     return out
@@ -120,8 +125,10 @@ def _scatter(pools: tuple, pages: jax.Array, data: jax.Array, layout: PageLayout
 
 
 def read_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], layout: PageLayout) -> jax.Array:
-    """``[len(pages), page_elems]`` on the device, dispatched (not waited for)."""
-    return _gather(tuple(comp_kv) + tuple(index_k), jnp.asarray(_padded(pages, 0)), layout)[:len(pages)]
+    """``[n, page_elems]`` on the device, dispatched (not waited for): row i is ``pages[i]``, and the
+    rows past ``len(pages)`` pad ``n`` to a power of two (left unsliced: a slice would be a program
+    for every count)."""
+    return _gather(tuple(comp_kv) + tuple(index_k), jnp.asarray(_padded(pages, 0)), layout)
 
 
 def write_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], data: np.ndarray,

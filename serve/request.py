@@ -28,6 +28,7 @@ class Request:
     computed: int = 0  # tokens fed to the device (its seq_len once the in-flight steps land)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     radix_node: Any = None
+    page_keys: list[bytes] = field(default_factory=list)  # its first pages' keys (serve/hicache.py), grown as needed
     inflight: int = 0  # dispatched steps whose results the host has not processed
     admitted_at: int = -1
     text: str = ""  # detokenised output (stop strings trimmed)

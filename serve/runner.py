@@ -369,8 +369,8 @@ class ModelRunner:
         return out
 
     def read_pages(self, pages) -> jax.Array:
-        """``[len(pages), page_elems]``: whole pages of the compressed pools (serve/kv_pages.py), read
-        after the steps dispatched so far, not waited for."""
+        """Whole pages of the compressed pools (``kv_pages.read_pages``: row i is ``pages[i]``, padded
+        to a power of two of rows), read after the steps dispatched so far, not waited for."""
         m = self.state.model
         return read_pages(m.comp_kv, m.index_k, pages, self.page_layout)
 

@@ -173,7 +173,8 @@ class Scheduler:
                     _, dup = rank.radix.insert(req.ids[:full * self.page_size], req.pages[:full])
                     rank.pool.give(dup)
                     if self.hicache is not None:
-                        self.hicache.used(req.ids[:full * self.page_size], req.pages[:full], req.shared_pages)
+                        self.hicache.used(self._keys(req, req.ids[:full * self.page_size]), req.pages[:full],
+                                          req.shared_pages)
                     pages = req.pages[max(full, req.shared_pages):]
                 if req.radix_node is not None:
                     rank.radix.unlock(req.radix_node)
@@ -230,7 +231,7 @@ class Scheduler:
         start = 0
         radix = rank.radix
         if radix is not None and (usable := self._usable(req)) is not None:
-            tiers = self._promote(rank, usable) if self.hicache is not None else None
+            tiers = self._promote(rank, req, usable) if self.hicache is not None else None
             m = radix.match_prefix(usable)
             if m.length > self.window:
                 radix.lock(m.node)
@@ -240,20 +241,28 @@ class Scheduler:
                 if tiers is not None:
                     if req.admissions == 1:   # a retracted request's readmission is not a new hit
                         self.hicache.record_hit(**tiers)
-                    self.hicache.used(usable, m.pages)
+                    self.hicache.used(self._keys(req, usable), m.pages)
         if radix is not None and req.admissions == 1:
             radix.record_request(len(req.prompt), req.cached_tokens)
         req.computed = start
         self.running.append(req)
         return start
 
-    def _promote(self, rank: DpRank, usable: list[int]) -> dict[str, int]:
+    def _keys(self, req: Request, tokens: list[int]) -> list[bytes]:
+        """The page keys of ``tokens`` (a prefix of ``req.ids``), hashed once a request: each call
+        extends the keys it kept."""
+        n = len(tokens) // self.page_size
+        if len(req.page_keys) < n:
+            req.page_keys = self.hicache.keys(tokens, req.page_keys)
+        return req.page_keys[:n]
+
+    def _promote(self, rank: DpRank, req: Request, usable: list[int]) -> dict[str, int]:
         """Load the pages after the device's prefix of ``usable`` that the host tier holds into fresh
         pages of ``rank`` and add them to its radix tree (as many as its pages allow, and only if the
         hit then passes the window); the hit's pages by the tier they came from."""
         radix, ps = rank.radix, self.page_size
         m = radix.match_prefix(usable)
-        found = self.hicache.match(usable, len(m.pages))
+        found = self.hicache.match(self._keys(req, usable), len(m.pages))
         n = min(len(found), len(rank.pool.free) + rank.evictable - len(m.pages) * (m.node.lock_ref == 0))
         tiers = {"device": len(m.pages), "host": 0, "storage": 0}
         if n <= 0 or (len(m.pages) + n) * ps <= self.window:
@@ -279,7 +288,7 @@ class Scheduler:
             return True
         # the shortest rank's prefix: whichever rank the request lands on, the prefetched pages follow it
         local = min((r.radix.prefix_length(usable) for r in self.ranks), default=0) // self.page_size
-        return self.hicache.ready(req.rid, usable, local)
+        return self.hicache.ready(req.rid, self._keys(req, usable), local)
 
     # ------------------------------------------------------------------ planning
     def waiting_on_flight(self) -> bool:
