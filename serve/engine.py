@@ -396,6 +396,21 @@ class Engine:
                 out["hicache"] = self.hicache.metrics()
             return out
 
+    def rank_loads(self) -> list[dict]:
+        """SGLang's ``/get_load``: each DP rank's requests and tokens (its used pages' and its waiting
+        requests'). The queue is shared until admission: a request that names no rank is counted on
+        the ranks in turn."""
+        with self._lock:
+            s, n = self.scheduler, len(self.scheduler.ranks)
+            waiting = [[] for _ in range(n)]
+            for i, req in enumerate(s.waiting):
+                waiting[i % n if req.dp_rank is None else req.dp_rank].append(req)
+            now = time.perf_counter()
+            return [{"dp_rank": r.index, "num_reqs": sum(q.rank == r.index and not q.finished for q in s.running) + len(waiting[r.index]),
+                     "num_waiting_reqs": len(waiting[r.index]),
+                     "num_tokens": r.used_pages * self.config.page_size + sum(len(q.ids) for q in waiting[r.index]),
+                     "ts_tic": now} for r in s.ranks]
+
     def _load_of(self, ranks, running) -> dict:
         used = sum(r.used_pages for r in ranks)
         radixes = [r.radix for r in ranks if r.radix is not None]

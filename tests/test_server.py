@@ -209,8 +209,12 @@ def test_a_named_dp_rank_and_the_load_report(live):
                                                       "data_parallel_rank": 0})
     assert code == 200, text
     assert json.loads(live.request("/get_server_info")[1])["dp_size"] == 1
-    load = json.loads(live.request("/get_load")[1])
-    assert {"num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate"} <= set(load) and "dp_ranks" not in load
+    info = json.loads(live.request("/server_info")[1])   # the gateway's name first; /get_server_info too
+    assert info["dp_size"] == 1 and info["served_model_name"] == RANDOM_NAME and info["tp_size"] == 1
+    assert json.loads(live.request("/model_info")[1])["model_path"] == RANDOM_NAME
+    load = json.loads(live.request("/get_load")[1])   # SGLang's shape: a list, an entry a DP rank
+    assert [sorted(x) for x in load] == [["dp_rank", "num_reqs", "num_tokens", "num_waiting_reqs", "ts_tic"]]
+    assert load[0]["dp_rank"] == 0 and isinstance(load[0]["num_tokens"], int)
 
 
 def test_metrics_and_flush(live, engine):

@@ -245,7 +245,7 @@ def _engine_runs() -> dict:
             "per_rank": [r.radix.stats["requests"] for r in e.scheduler.ranks],
             "table_shards": len({str(s.index) for s in
                                  e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows.addressable_shards}),
-            "load_ranks": [r["dp_rank"] for r in e.load().get("dp_ranks", [{"dp_rank": 0}])]}
+            "load_ranks": [r["dp_rank"] for r in e.rank_loads()]}
     return out
 
 

@@ -1,0 +1,166 @@
+"""``python -m serve.fleet``: N local megajax workers behind the SGLang model gateway, in one command.
+
+    python -m serve.fleet --workers 2 --policy cache_aware -- --model random-tiny --max-running 8
+
+Everything after ``--`` goes to every worker (``python -m serve ...``); the fleet gives each its port
+(``--worker-base-port`` + i) and starts ``python -m sglang_router.launch_router`` on ``--port`` with
+their URLs once they are healthy. The first worker starts alone: the others then find its compiled
+programs in the shared compile cache instead of compiling the same programs side by side.
+
+A worker that exits is started again (the gateway's health checks take it out meanwhile and back
+in when it answers); the router exiting, SIGINT or SIGTERM stops everything. Each process writes to
+its own log under ``--log-dir``, and ``fleet.json`` there says which process is which (URLs, pids,
+restarts), rewritten whenever one starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("megajax.fleet")
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+@dataclass
+class Process:
+    """One child: how to start it and where it writes."""
+    name: str
+    cmd: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)   # a terminal's Ctrl-C reaches the fleet only
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 20) -> None:
+        if not self.alive():
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def write_status(path: Path, router_url: str, workers: list[Process], urls: list[str]) -> None:
+    status = {"router": router_url, "workers": [{"url": u, "pid": w.popen.pid if w.popen else None,
+                                                  "restarts": w.restarts, "log": str(w.log_path)}
+                                                 for w, u in zip(workers, urls)]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(status, indent=1))
+    tmp.replace(path)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy(proc: Process, url: str, timeout: float) -> None:
+    """Until ``url`` answers /health; a clear error when the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with code {proc.popen.returncode} before it was healthy "
+                               f"(its log: {proc.log_path})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} was not healthy after {timeout:.0f} s (its log: {proc.log_path})")
+        time.sleep(0.5)
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker_args = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, worker_args = argv[:at], argv[at + 1:]
+    ap = argparse.ArgumentParser(prog="python -m serve.fleet", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2, help="how many workers (replicas)")
+    ap.add_argument("--policy", default="cache_aware", choices=POLICIES, help="the gateway's routing policy")
+    ap.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    ap.add_argument("--port", type=int, default=30000, help="the gateway's port (clients talk to it)")
+    ap.add_argument("--worker-base-port", type=int, default=31000, help="worker i listens on this + i")
+    ap.add_argument("--router-metrics-port", type=int, default=29000, help="the gateway's Prometheus port")
+    ap.add_argument("--log-dir", default="fleet_logs")
+    ap.add_argument("--health-timeout", type=float, default=900, help="seconds a worker may take to start")
+    ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                    help="passed to launch_router as is (repeatable), e.g. --router-arg=--dp-aware")
+    args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error("--workers must be at least 1")
+    if any(a in ("--port", "--host") or a.startswith(("--port=", "--host=")) for a in worker_args):
+        ap.error("the fleet sets each worker's --host and --port: leave them out after --")
+    return args, worker_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_args = parse(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    urls = [f"http://127.0.0.1:{args.worker_base_port + i}" for i in range(args.workers)]
+    workers = [Process(f"worker {i}", [sys.executable, "-m", "serve", *worker_args, "--host", "127.0.0.1",
+                                       "--port", str(args.worker_base_port + i)], logs / f"worker{i}.log")
+               for i in range(args.workers)]
+    router = Process("router", [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+                                "--policy", args.policy, "--host", args.host, "--port", str(args.port),
+                                "--prometheus-port", str(args.router_metrics_port), *args.router_arg], logs / "router.log")
+
+    router_url = f"http://{args.host}:{args.port}"
+    status = lambda: write_status(logs / "fleet.json", router_url, workers, urls)  # noqa: E731
+
+    def stop(*_):
+        raise SystemExit(0)   # through the finally below: the children stop with the fleet
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        workers[0].start()
+        status()
+        wait_healthy(workers[0], urls[0], args.health_timeout)
+        for w in workers[1:]:
+            w.start()
+        status()
+        for w, url in zip(workers[1:], urls[1:]):
+            wait_healthy(w, url, args.health_timeout)
+        router.start()
+        log.info("gateway on %s (%s) over %s; logs in %s", router_url, args.policy, " ".join(urls), logs)
+        while True:
+            if not router.alive():
+                raise RuntimeError(f"the router exited with code {router.popen.returncode} (its log: "
+                                   f"{router.log_path})")
+            for w in workers:
+                if not w.alive():
+                    w.restarts += 1
+                    log.warning("%s exited with code %s: starting it again (restart %d)", w.name,
+                                w.popen.returncode, w.restarts)
+                    w.start()
+                    status()
+            time.sleep(0.5)
+    except RuntimeError as e:
+        print(f"python -m serve.fleet: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for p in [router, *workers]:
+            p.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
