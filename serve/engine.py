@@ -34,6 +34,7 @@ from model.forward import halo_rows
 from model.kernel_paths import kernel_paths
 from serve.batch_scoring import Scorer
 from serve.detokenizer import Detokenizer
+from serve.disaggregation.handoff import Prefilled, Reservation
 from serve.expert_balancer import ExpertBalancer
 from serve.grammar import GrammarError, compile_grammar
 from serve.handle import Handle, RequestError
@@ -262,20 +263,26 @@ class Engine:
     # ------------------------------------------------------------------ the door
     def submit(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, *,
                rid: str | None = None, thinking: bool = False, stream: bool = True,
-               dp_rank: int | None = None) -> Handle:
+               dp_rank: int | None = None, export=None,
+               prefilled: tuple[Reservation, Prefilled] | None = None) -> Handle:
         """Queue one client request: validated (here only), its constraint compiled (under
         ``thinking`` it starts after ``</think>``), fanned out to ``n`` samples (sample i seeded
         ``seed + i``, ids ``rid-i``), which share one turn in the scheduler's fair share and abort
         together. ``RequestError`` says why not. ``stream``: deltas go to ``Handle.deltas``
         (needs the loop running: ``start``); otherwise ``collect`` gathers the results.
         ``dp_rank``: the DP rank to run it on (a router's ``data_parallel_rank``), else the
-        scheduler's choice."""
+        scheduler's choice. Disaggregation (one sample only): ``export`` (prefill side) is called
+        with the request's ``Prefilled`` state when it ends (None if it ended without it);
+        ``prefilled`` (decode side): the state P sent, written into the pages reserved for it
+        (``reserve``), from which the request goes on after the first token."""
         if self.error is not None:
             raise RequestError(f"the engine failed: {self.error}", status=503)
         if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.config.dp_size):
             raise RequestError(f"data_parallel_rank must be an integer in [0, {self.config.dp_size}) "
                                f"(--dp-size {self.config.dp_size}), got {dp_rank!r}", "data_parallel_rank")
         ids, params, grammar = self.validate(prompt, params, thinking)
+        if (export or prefilled) is not None and params.n != 1:
+            raise RequestError("a disaggregated request must have n = 1", "n")
         rid = rid or f"req-{next(self._ids)}"
         subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         handle = Handle(rid, subs, self._close)
@@ -290,12 +297,49 @@ class Engine:
                 req.grammar = None if grammar is None else (grammar if i == 0 else grammar.copy())
                 if stream:
                     req.detok = Detokenizer(self.decode)
+                req.export = export
                 try:
-                    self.scheduler.submit(req)
+                    if prefilled is None:
+                        self.scheduler.submit(req)
+                    else:
+                        self._adopt(req, *prefilled)
                 except ValueError as e:   # too long for the context, or for one DP rank's pages
                     raise RequestError(str(e), "max_new_tokens") from None
                 self._requests[sub] = req
         return handle
+
+    def reserve(self, prompt_tokens: int, dp_rank: int | None = None) -> Reservation | None:
+        """Set aside the pages for a prompt's whole pages (disaggregated decode, before P prefills
+        it); None while no DP rank has them. ``release`` gives them back if its state never comes."""
+        with self._lock:
+            got = self.scheduler.reserve(prompt_tokens // self.config.page_size, dp_rank)
+        return None if got is None else Reservation(*got)
+
+    def release(self, reservation: Reservation) -> None:
+        with self._lock:
+            self.scheduler.unreserve(reservation.rank, reservation.pages)
+
+    def _adopt(self, req: Request, reservation: Reservation, state: Prefilled) -> None:
+        """(Lock held.) Take P's state: the first token as if sampled here, the pages into the reserved
+        ones; the request then decodes from there (its admission replays the window)."""
+        pages = reservation.pages[:state.n_pages]
+        self.scheduler.unreserve(reservation.rank, reservation.pages[state.n_pages:])
+        req.output.append(state.first)
+        if req.grammar is not None:
+            req.grammar.consume(state.first)
+        if req.params.logprobs:
+            req.token_logprobs.append(state.logprob if state.logprob is not None else 0.0)
+            req.top_logprobs.append([(int(a), float(b)) for a, b in state.top_logprobs][:req.params.top_logprobs])
+        if req.detok is None and req.params.stop:
+            req.detok = Detokenizer(self.decode)
+        req.check_stop(state.first, self.eos_ids, req.detok)
+        if req.finished:
+            self.scheduler.unreserve(reservation.rank, pages)
+        else:
+            if pages:
+                self.runner.write_pages(pages, np.asarray(state.pages)[:len(pages)])
+            self.scheduler.adopt(req, reservation.rank, pages)
+        self._notify(req)
 
     def validate(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, thinking: bool = False):
         """``(token ids, SamplingParams, compiled grammar or None)`` of a request ``submit`` would
@@ -524,9 +568,29 @@ class Engine:
     def _reap(self) -> None:
         """Release finished requests whose steps have all landed."""
         for req in [r for r in self.scheduler.running if r.finished and not r.inflight]:
+            if req.export is not None:
+                self._export(req)
             self.scheduler.release(req, cache=req.finish_reason != "abort")
         for req in [r for r in self.scheduler.waiting if r.finished]:
-            self.scheduler.waiting.remove(req)
+            if req.export is not None:
+                self._export(req)
+            self.scheduler.discard(req)
+
+    def _export(self, req: Request) -> None:
+        """Hand a prefill-side request's state to its ``export`` (disaggregation), before its pages
+        go: its whole prompt pages (read now, after the steps that wrote them) and its first token;
+        None when it ended without one (aborted)."""
+        export, req.export = req.export, None
+        state = None
+        if req.output and req.finish_reason != "abort":
+            n = min(len(req.prompt) // self.config.page_size, len(req.pages))
+            state = Prefilled(n, self.runner.read_pages(req.pages[:n]) if n else None, req.output[0],
+                              req.token_logprobs[0] if req.token_logprobs else None,
+                              req.top_logprobs[0] if req.top_logprobs else [])
+        try:
+            export(state)
+        except Exception:  # noqa: BLE001 -- the pair's failure, not the engine's
+            logging.getLogger("megajax").exception("handing request %s to its decode side failed", req.rid)
 
     def _dispatch(self, chunks: list[Chunk]) -> tuple[Any, int]:
         """Pad the chunks into a step and dispatch it: ``(its samples on the device, logit rows)``."""

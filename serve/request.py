@@ -28,6 +28,8 @@ class Request:
     computed: int = 0  # tokens fed to the device (its seq_len once the in-flight steps land)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     radix_node: Any = None
+    held_node: Any = None  # a radix node kept from eviction until admission (pages a disaggregated decode received)
+    export: Any = None  # prefill side of a disaggregated pair: called with its Prefilled state when it ends
     page_keys: list[bytes] = field(default_factory=list)  # its first pages' keys (serve/hicache.py), grown as needed
     inflight: int = 0  # dispatched steps whose results the host has not processed
     admitted_at: int = -1

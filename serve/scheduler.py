@@ -162,6 +162,40 @@ class Scheduler:
             raise ValueError(f"the page pool ({where}) cannot hold a request of {total} tokens")
         self.waiting.append(req)
 
+    def reserve(self, n: int, dp_rank: int | None) -> tuple[int, list[int]] | None:
+        """``n`` pages set aside on a rank (``dp_rank``, else the one with the most room) for a prompt
+        whose state arrives later (disaggregated decode); None while no rank has them."""
+        ranks = [r for r in self.ranks if dp_rank in (None, r.index)]
+        rank = max(ranks, key=lambda r: (len(r.pool.free) + r.evictable, -r.index))
+        pages = rank.grab(n) if n else []
+        return None if pages is None else (rank.index, pages)
+
+    def unreserve(self, rank: int, pages: list[int]) -> None:
+        self.ranks[rank].pool.give(pages)
+
+    def adopt(self, req: Request, rank: int, pages: list[int]) -> None:
+        """Queue ``req`` on ``rank`` with ``pages`` (reserved there) holding its prompt's first whole
+        pages: they join the rank's radix cache, held until its admission matches them (a prefix
+        hit, encoder replay included)."""
+        req.dp_rank = rank
+        if pages:
+            radix = self.ranks[rank].radix
+            node, dup = radix.insert(req.prompt[:len(pages) * self.page_size], pages)
+            self.ranks[rank].pool.give(dup)
+            radix.lock(node)
+            req.held_node = node
+        self.submit(req)
+
+    def _unhold(self, req: Request) -> None:
+        if req.held_node is not None:
+            self.ranks[req.dp_rank].radix.unlock(req.held_node)
+            req.held_node = None
+
+    def discard(self, req: Request) -> None:
+        """Drop a waiting request that ended before admission (aborted)."""
+        self._unhold(req)
+        self.waiting.remove(req)
+
     def release(self, req: Request, cache: bool) -> None:
         """Free a request's slot and pages; with ``cache`` its full pages go to the radix cache."""
         if req.rank is not None:
@@ -242,6 +276,7 @@ class Scheduler:
                     if req.admissions == 1:   # a retracted request's readmission is not a new hit
                         self.hicache.record_hit(**tiers)
                     self.hicache.used(self._keys(req, usable), m.pages)
+        self._unhold(req)   # its match holds the pages now
         if radix is not None and req.admissions == 1:
             radix.record_request(len(req.prompt), req.cached_tokens)
         req.computed = start

@@ -1,0 +1,24 @@
+"""What passes between the engines of a disaggregated pair: D's reservation, P's prefilled state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Reservation:
+    """Device pages D set aside for a request's prompt before P prefills it (on DP rank ``rank``)."""
+    rank: int
+    pages: list[int]
+
+
+@dataclass
+class Prefilled:
+    """A prompt's state after P's prefill: its whole pages (``kv_pages`` format: ``[n, page_elems]``,
+    rows past ``n_pages`` are padding; None when the prompt has no whole page) and the first token P
+    sampled, with its logprobs when the request asked for them."""
+    n_pages: int
+    pages: Any
+    first: int
+    logprob: float | None = None
+    top_logprobs: list = field(default_factory=list)
