@@ -6,6 +6,7 @@ import logging
 import sys
 
 from serve.cli_args import add_engine, add_model, engine_config
+from serve.disaggregation.config import BACKENDS, MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--enable-metrics", action="store_true",
                    help="Prometheus metrics at /metrics (SGLang's sglang: names)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = ap.add_argument_group("prefill/decode disaggregation (behind sglang_router --pd-disaggregation)")
+    g.add_argument("--disaggregation-mode", default="null", choices=MODES,
+                   help="prefill: prefill requests and hand their state to a decode server; decode: decode them")
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=8998, metavar="PORT",
+                   help="the prefill server's bootstrap server (decode: the port a router leaves null)")
+    g.add_argument("--disaggregation-transfer-backend", default="jax-transfer", choices=BACKENDS)
     add_engine(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
@@ -35,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
     from serve.default_model import RANDOM, RANDOM_NAME, SMALL_DIR, SMALL_NAME, random_config, random_params
+    from serve.disaggregation.config import DisaggregationConfig
+    from serve.disaggregation.worker import PdWorker
     from serve.engine import Engine
     from serve.server import Server
 
+    if args.disaggregation_mode == "decode" and args.disable_radix_cache:
+        ap.error("--disaggregation-mode decode needs the radix cache (the received pages are a prefix hit)")
     try:
         config = engine_config(args)
         if args.model == RANDOM:
@@ -56,8 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)
     name = args.served_model_name or name
+    pd = None
+    if args.disaggregation_mode != "null":
+        try:
+            pd = PdWorker(DisaggregationConfig.from_env(args.disaggregation_mode, args.disaggregation_bootstrap_port,
+                                                        args.disaggregation_transfer_backend), engine, args.host)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     server = Server(engine, name, api_key=args.api_key, max_queue=args.max_queued_requests,
-                    max_request_bytes=args.max_request_bytes, enable_metrics=args.enable_metrics)
+                    max_request_bytes=args.max_request_bytes, enable_metrics=args.enable_metrics, pd=pd)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
     return 0

@@ -219,9 +219,10 @@ class Engine:
             "mappings a program measured, under %s)", min(budget.capacity() or n_programs, n_programs),
             n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
+        # what must agree for another engine's pages to be valid here (hicache's storage, disaggregation)
+        self.page_identity = model_identity(cfg, params, config.page_size, config.quantization)
         self.hicache = None if config.hicache is None else HiCache(
-            config.hicache, self.runner.page_layout,
-            model_identity(cfg, params, config.page_size, config.quantization), self.runner, config.pages)
+            config.hicache, self.runner.page_layout, self.page_identity, self.runner, config.pages)
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,
                                    cfg.sliding_window, config.max_len, config.prefix_cache,
                                    config.speculative_fixed_verify, config.dp_size, self.hicache)
@@ -275,6 +276,14 @@ class Engine:
         with the request's ``Prefilled`` state when it ends (None if it ended without it);
         ``prefilled`` (decode side): the state P sent, written into the pages reserved for it
         (``reserve``), from which the request goes on after the first token."""
+        try:
+            return self._submit(prompt, params, rid, thinking, stream, dp_rank, export, prefilled)
+        except BaseException:
+            if prefilled is not None and not prefilled[0].adopted:   # its pages go back, whatever failed
+                self.release(prefilled[0])
+            raise
+
+    def _submit(self, prompt, params, rid, thinking, stream, dp_rank, export, prefilled) -> Handle:
         if self.error is not None:
             raise RequestError(f"the engine failed: {self.error}", status=503)
         if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.config.dp_size):
@@ -322,6 +331,8 @@ class Engine:
     def _adopt(self, req: Request, reservation: Reservation, state: Prefilled) -> None:
         """(Lock held.) Take P's state: the first token as if sampled here, the pages into the reserved
         ones; the request then decodes from there (its admission replays the window)."""
+        self.scheduler.check(req)
+        reservation.adopted = True
         pages = reservation.pages[:state.n_pages]
         self.scheduler.unreserve(reservation.rank, reservation.pages[state.n_pages:])
         req.output.append(state.first)

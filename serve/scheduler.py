@@ -152,6 +152,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def submit(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """ValueError when ``req`` can never run here (too long for the context or a rank's pages)."""
         total = len(req.prompt) + req.params.max_new_tokens
         if total > self.max_len:
             raise ValueError(f"prompt of {len(req.prompt)} tokens plus max_new_tokens "
@@ -160,7 +165,6 @@ class Scheduler:
         if -(-total // self.page_size) > per_rank:
             where = f"{per_rank} pages" + (" per DP rank" if len(self.ranks) > 1 else "")
             raise ValueError(f"the page pool ({where}) cannot hold a request of {total} tokens")
-        self.waiting.append(req)
 
     def reserve(self, n: int, dp_rank: int | None) -> tuple[int, list[int]] | None:
         """``n`` pages set aside on a rank (``dp_rank``, else the one with the most room) for a prompt

@@ -34,6 +34,8 @@ from aiohttp import web
 
 from model.engram_vocab import tokenizer_path
 from serve.chat_template import ChatTemplateError, render_chat
+from serve.disaggregation.prefill import TransferFailed
+from serve.disaggregation.worker import PdWorker
 from serve.engine import Engine
 from serve.handle import Handle, RequestError
 from serve.metrics import Metrics
@@ -52,8 +54,10 @@ HANDLES = web.RequestKey("handles", list)  # what an HTTP request submitted, clo
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 256,
-                 default_max_tokens: int = 128, max_request_bytes: int = 16 << 20, enable_metrics: bool = False):
+                 default_max_tokens: int = 128, max_request_bytes: int = 16 << 20, enable_metrics: bool = False,
+                 pd: PdWorker | None = None):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.pd = pd   # this server's side of a disaggregated pair (--disaggregation-mode), or None
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.max_request_bytes = max_request_bytes
         self.tokenizer = TokenizerProcess(str(tokenizer_path()))
@@ -87,6 +91,8 @@ class Server:
 
     async def _start(self, app) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.start)
+        if self.pd is not None:
+            await self.pd.start()
         self.engine.start()
         self.ready = True
 
@@ -99,6 +105,8 @@ class Server:
                 break
             await asyncio.sleep(0.02)
         self.engine.stop()
+        if self.pd is not None:
+            await self.pd.stop()
         self.tokenizer.close()
 
     @web.middleware
@@ -186,9 +194,17 @@ class Server:
             raise ApiError(503, "the server is not ready or is shutting down")
         if self.engine.load()["num_queue_reqs"] + params.n > self.max_queue:
             raise ApiError(429, "too many requests are queued; retry later")
+        dp_rank, pd = typed(body or {}, "data_parallel_rank", int), {}
+        if self.pd is not None and body is not None:
+            try:
+                params, pd = await self.pd.prepare(body, ids, params, dp_rank)
+            except RequestError as e:
+                raise ApiError(e.status, e.message, e.param) from None
+            except TransferFailed as e:   # a status the router retries (with a new pair)
+                raise ApiError(500, str(e)) from None
         job = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self.engine.submit, ids, params, rid=rid, thinking=thinking,
-                                    dp_rank=typed(body or {}, "data_parallel_rank", int)))
+            None, functools.partial(self.engine.submit, ids, params, rid=rid, thinking=thinking, dp_rank=dp_rank,
+                                    **pd))
         try:
             handle = await asyncio.wait_for(asyncio.shield(job), SUBMIT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -461,6 +477,7 @@ class Server:
         return web.json_response({"model": self.model_name, "model_path": self.model_name,
                                   "served_model_name": self.model_name, "tp_size": 1, "dp_size": c.dp_size,
                                   "disaggregation_mode": "null", "max_total_num_tokens": c.pages * c.page_size,
+                                  **(self.pd.info() if self.pd is not None else {}),
                                   "engine_config": c.__dict__ | {"pages": c.pages, "step_tokens": c.step_tokens,
                                                                  "model_dtype": c.model_dtype.name},
                                   "kernel_paths": self.engine.kernel_paths,

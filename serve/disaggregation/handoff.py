@@ -10,6 +10,7 @@ class Reservation:
     """Device pages D set aside for a request's prompt before P prefills it (on DP rank ``rank``)."""
     rank: int
     pages: list[int]
+    adopted: bool = False  # its request took the pages (they are no longer the reservation's to give back)
 
 
 @dataclass

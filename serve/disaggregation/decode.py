@@ -1,0 +1,121 @@
+"""The decode side: reserve pages, register with P's bootstrap server, wait for the prefill, fetch its pages.
+
+D's view of a room (SGLang's ``KVPoll``): ``Bootstrapping`` until pages are reserved and P's
+bootstrap server took the registration; ``WaitingForInput`` while P prefills (D polls the room,
+which is also its heartbeat: P unreachable for heartbeat interval x max failures fails the room);
+``Transferring`` while it fetches; ``Success`` once P is told. Any failure gives the reserved pages
+back, tells P if it can, and raises ``TransferFailed`` with the reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+
+from serve.disaggregation.config import DisaggregationConfig, KVPoll
+from serve.disaggregation.handoff import Prefilled, Reservation
+from serve.disaggregation.prefill import TransferFailed
+from serve.disaggregation.transfer import KVTransfer
+
+
+class DecodeSide:
+    def __init__(self, config: DisaggregationConfig, transfer: KVTransfer, engine):
+        self.config, self.transfer, self.engine = config, transfer, engine
+        self.identity = engine.page_identity.hex()
+        self.states: dict[int, KVPoll] = {}   # rooms in progress (for /get_load and tests)
+        self.failed = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def receive(self, room: int, host: str, port: int, prompt_tokens: int,
+                      dp_rank: int | None) -> tuple[Reservation, Prefilled]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.heartbeat_interval))
+        url = f"http://{host}:{port}/rooms/{room}"
+        self.states[room] = KVPoll.Bootstrapping
+        reservation = None
+        try:
+            reservation = await self._reserve(prompt_tokens, dp_rank)
+            meta = await self._until_ready(url, room, host, port)
+            self.states[room] = KVPoll.Transferring
+            state = await self._fetch(url, room, meta)
+            await self._tell(url, ok=True)
+            self.states[room] = KVPoll.Success
+            return reservation, state
+        except BaseException as e:   # the request is cancelled too (its client went away)
+            self.failed += 1
+            self.states[room] = KVPoll.Failed
+            if reservation is not None:
+                self.engine.release(reservation)
+            await self._tell(url, ok=False, why=str(e) if isinstance(e, TransferFailed) else "")
+            raise
+        finally:
+            self.states.pop(room, None)
+
+    async def _reserve(self, prompt_tokens: int, dp_rank: int | None) -> Reservation:
+        deadline = time.monotonic() + self.config.waiting_timeout
+        while (r := self.engine.reserve(prompt_tokens, dp_rank)) is None:   # the pool is full for now
+            if time.monotonic() > deadline:
+                raise TransferFailed(f"no room for the prompt's pages within {self.config.waiting_timeout:g} s")
+            await asyncio.sleep(self.config.poll_interval * 10)
+        return r
+
+    async def _call(self, method: str, url: str, params: dict | None = None) -> dict | None:
+        """P's answer, or None when P could not be reached."""
+        try:
+            async with self._session.request(method, url, params=params) as resp:
+                return await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def _until_ready(self, url: str, room: int, host: str, port: int) -> dict:
+        c = self.config
+        start = last = time.monotonic()
+        method = "PUT"   # register, then poll
+        while True:
+            answer = await self._call(method, url)
+            now = time.monotonic()
+            if answer is None:
+                if now - last > c.heartbeat_timeout:
+                    raise TransferFailed(f"Losing connection with prefill instance (bootstrap_addr: {host}:{port})")
+            else:
+                last = now
+                if answer["state"] == KVPoll.Failed.name:
+                    raise TransferFailed(answer["error"] or f"bootstrap room {room} failed on the prefill side")
+                if method == "PUT":
+                    method, self.states[room] = "GET", KVPoll.WaitingForInput
+                if answer.get("ready"):
+                    if answer["identity"] != self.identity:
+                        raise TransferFailed("the prefill server serves another model, page size or KV dtype")
+                    return answer
+            if now - start > c.waiting_timeout:
+                raise TransferFailed(f"bootstrap room {room}: no prefilled state within {c.waiting_timeout:g} s")
+            await asyncio.sleep(c.poll_interval)
+
+    async def _fetch(self, url: str, room: int, meta: dict) -> Prefilled:
+        pages = None
+        if meta["shape"] is not None:
+            answer = await self._call("POST", f"{url}/pull")
+            if answer is None or "address" not in answer:
+                raise TransferFailed(f"bootstrap room {room}: the prefill server did not offer its pages "
+                                     f"({(answer or {}).get('error', 'unreachable')})")
+            job = asyncio.ensure_future(asyncio.to_thread(self.transfer.fetch, answer["address"], room,
+                                                          tuple(meta["shape"]), meta["dtype"]))
+            deadline = time.monotonic() + self.config.waiting_timeout
+            while not job.done():   # P must stay reachable while its pages come
+                await asyncio.wait({job}, timeout=self.config.heartbeat_interval)
+                if not job.done() and (await self._call("GET", url) is None or time.monotonic() > deadline):
+                    job.cancel()
+                    raise TransferFailed(f"bootstrap room {room}: the transfer from the prefill server broke off")
+            pages = np.asarray(job.result())
+        return Prefilled(meta["n_pages"], pages, meta["first"], meta["logprob"],
+                         [tuple(x) for x in meta["top_logprobs"]])
+
+    async def _tell(self, url: str, ok: bool, why: str = "") -> None:
+        if self._session is not None:
+            await self._call("DELETE", url, {"ok": str(int(ok)), **({"why": why} if why else {})})
