@@ -1,6 +1,10 @@
 """``python -m serve.fleet``: N local megajax workers behind the SGLang model gateway, in one command.
 
     python -m serve.fleet --workers 2 --policy cache_aware -- --model random-tiny --max-running 8
+    python -m serve.fleet --prefill 1 --decode 1 -- --max-running 8      # disaggregated: P and D workers
+
+With ``--prefill``/``--decode`` the workers run ``--disaggregation-mode prefill|decode`` (prefill
+worker i's bootstrap server on ``--bootstrap-base-port`` + i) and the gateway its PD mode.
 
 Everything after ``--`` goes to every worker (``python -m serve ...``); the fleet gives each its port
 (``--worker-base-port`` + i) and starts ``python -m sglang_router.launch_router`` on ``--port`` with
@@ -35,6 +39,7 @@ class Process:
     name: str
     cmd: list[str]
     log_path: Path
+    role: str = "regular"  # a worker's: regular, prefill or decode
     popen: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -57,8 +62,8 @@ class Process:
 
 
 def write_status(path: Path, router_url: str, workers: list[Process], urls: list[str]) -> None:
-    status = {"router": router_url, "workers": [{"url": u, "pid": w.popen.pid if w.popen else None,
-                                                  "restarts": w.restarts, "log": str(w.log_path)}
+    status = {"router": router_url, "workers": [{"url": u, "role": w.role, "restarts": w.restarts,
+                                                  "pid": w.popen.pid if w.popen else None, "log": str(w.log_path)}
                                                  for w, u in zip(workers, urls)]}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(status, indent=1))
@@ -94,6 +99,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m serve.fleet", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2, help="how many workers (replicas)")
+    ap.add_argument("--prefill", type=int, default=0, help="disaggregated: how many prefill workers")
+    ap.add_argument("--decode", type=int, default=0, help="disaggregated: how many decode workers")
+    ap.add_argument("--bootstrap-base-port", type=int, default=8998,
+                    help="disaggregated: prefill worker i's bootstrap server listens on this + i")
     ap.add_argument("--policy", default="cache_aware", choices=POLICIES, help="the gateway's routing policy")
     ap.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     ap.add_argument("--port", type=int, default=30000, help="the gateway's port (clients talk to it)")
@@ -106,8 +115,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be at least 1")
-    if any(a in ("--port", "--host") or a.startswith(("--port=", "--host=")) for a in worker_args):
-        ap.error("the fleet sets each worker's --host and --port: leave them out after --")
+    if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
+        ap.error("a disaggregated fleet needs --prefill and --decode workers, at least one of each")
+    owned = ("--port", "--host", "--disaggregation-mode", "--disaggregation-bootstrap-port")
+    if any(a in owned or a.startswith(tuple(o + "=" for o in owned)) for a in worker_args):
+        ap.error(f"the fleet sets each worker's {', '.join(owned)}: leave them out after --")
     return args, worker_args
 
 
@@ -116,13 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(message)s")
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    urls = [f"http://127.0.0.1:{args.worker_base_port + i}" for i in range(args.workers)]
-    workers = [Process(f"worker {i}", [sys.executable, "-m", "serve", *worker_args, "--host", "127.0.0.1",
-                                       "--port", str(args.worker_base_port + i)], logs / f"worker{i}.log")
-               for i in range(args.workers)]
-    router = Process("router", [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+    roles = (["prefill"] * args.prefill + ["decode"] * args.decode) if args.prefill else ["regular"] * args.workers
+    urls = [f"http://127.0.0.1:{args.worker_base_port + i}" for i in range(len(roles))]
+    workers, route = [], []
+    for i, (role, url) in enumerate(zip(roles, urls)):
+        cmd = [sys.executable, "-m", "serve", *worker_args, "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1]]
+        if role == "prefill":
+            bootstrap = str(args.bootstrap_base_port + i)
+            cmd += ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap]
+            route += ["--prefill", url, bootstrap]
+        elif role == "decode":
+            cmd += ["--disaggregation-mode", "decode"]
+            route += ["--decode", url]
+        workers.append(Process(f"{role} worker {i}", cmd, logs / f"worker{i}.log", role))
+    route = ["--pd-disaggregation", *route] if args.prefill else ["--worker-urls", *urls]
+    router = Process("router", [sys.executable, "-m", "sglang_router.launch_router", *route,
                                 "--policy", args.policy, "--host", args.host, "--port", str(args.port),
-                                "--prometheus-port", str(args.router_metrics_port), *args.router_arg], logs / "router.log")
+                                "--prometheus-port", str(args.router_metrics_port), *args.router_arg],
+                     logs / "router.log")
 
     router_url = f"http://{args.host}:{args.port}"
     status = lambda: write_status(logs / "fleet.json", router_url, workers, urls)  # noqa: E731
