@@ -6,59 +6,22 @@ worker leaves and rejoins within the test.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
+from fleet import ROOT, call, fleet, healthy_workers, status
 from serve.default_model import RANDOM_NAME
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_ports(n: int, consecutive: bool = False) -> list[int]:
-    """``n`` ports nothing listens on (``consecutive``: a run of them, as the fleet's workers take)."""
-    for _ in range(100):
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            socks[0].bind(("127.0.0.1", 0))
-            first = socks[0].getsockname()[1]
-            for i, s in enumerate(socks[1:], 1):
-                s.bind(("127.0.0.1", first + i if consecutive else 0))
-            return [s.getsockname()[1] for s in socks]
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
-def _call(url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, object]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            text = r.read()
-            return r.status, json.loads(text) if text.startswith((b"{", b"[")) else text
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError as e:
-        return -1, repr(e)
 
 
 def _prompt_tokens(worker: str) -> float:
     """Prompt tokens the worker has served (its Prometheus counter)."""
-    code, text = _call(f"{worker}/metrics", timeout=5)
+    code, text = call(f"{worker}/metrics", timeout=5)
     if code != 200:
         return -1.0
     lines = [x for x in text.decode().splitlines() if x.startswith("sglang:prompt_tokens_total")]
@@ -66,53 +29,24 @@ def _prompt_tokens(worker: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    router_port, metrics_port, base, _ = _free_ports(4, consecutive=True)
+def regular(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve.fleet", "--workers", "2", "--policy", "cache_aware", "--port", str(router_port),
-         "--worker-base-port", str(base), "--router-metrics-port", str(metrics_port), "--log-dir", str(logs),
-         "--router-arg=--health-check-interval-secs=1", "--router-arg=--health-check-timeout-secs=1",
-         "--router-arg=--cb-timeout-duration-secs=3", "--",
-         "--model", "random-tiny", "--no-warmup", "--max-running", "4", "--context-length", "1024",
-         "--enable-metrics"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    router = f"http://127.0.0.1:{router_port}"
-    deadline = time.time() + 600
-    try:
-        while _call(f"{router}/workers", timeout=2)[1] is None or not _all_healthy(router, 2):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "the fleet did not come up"
-            time.sleep(0.5)
+    with fleet(logs, ["--workers", "2", "--policy", "cache_aware", "--router-arg=--cb-timeout-duration-secs=3"],
+               ["--model", "random-tiny", "--no-warmup", "--max-running", "4", "--context-length", "1024",
+                "--enable-metrics"], workers=2) as (router, _):
         yield router, logs
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    # the fleet's children went with it
-    status = json.loads((logs / "fleet.json").read_text())
-    for w in status["workers"]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(w["pid"], 0)
-
-
-def _all_healthy(router: str, n: int) -> bool:
-    code, body = _call(f"{router}/workers", timeout=2)
-    return code == 200 and isinstance(body, dict) and sum(w["is_healthy"] for w in body["workers"]) == n
 
 
 def _generate(router: str, text: str, n: int = 4) -> tuple[int, object]:
-    return _call(f"{router}/generate", {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+    return call(f"{router}/generate", {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
 
 
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 30
 
 
-def test_repeats_of_a_long_prefix_land_on_the_worker_that_cached_it(fleet):
-    router, logs = fleet
-    status = json.loads((logs / "fleet.json").read_text())
-    urls = [w["url"] for w in status["workers"]]
+def test_repeats_of_a_long_prefix_land_on_the_worker_that_cached_it(regular):
+    router, logs = regular
+    urls = [w["url"] for w in status(logs)["workers"]]
     code, first = _generate(router, PREFIX + "first question")
     assert code == 200, first
     cached = []
@@ -124,23 +58,22 @@ def test_repeats_of_a_long_prefix_land_on_the_worker_that_cached_it(fleet):
     served = [_prompt_tokens(u) for u in urls]
     assert sorted(x > 0 for x in served) == [False, True], served   # and only that worker
     # the gateway's load report sums each worker's /get_load (its DP ranks' num_tokens)
-    code, loads = _call(f"{router}/get_loads")
+    code, loads = call(f"{router}/get_loads")
     assert code == 200 and sorted(w["worker"] for w in loads["workers"]) == sorted(urls), loads
     assert all(w["load"] >= 0 for w in loads["workers"]), loads   # -1: the gateway could not read it
 
 
-def test_a_worker_killed_under_load_loses_no_request_and_rejoins(fleet):
-    router, logs = fleet
-    status = json.loads((logs / "fleet.json").read_text())
-    holder = max(status["workers"], key=lambda w: _prompt_tokens(w["url"]))   # the prefix's worker (test above)
+def test_a_worker_killed_under_load_loses_no_request_and_rejoins(regular):
+    router, logs = regular
+    holder = max(status(logs)["workers"], key=lambda w: _prompt_tokens(w["url"]))   # the prefix's worker (test above)
 
     def one(i: int):
-        return _call(f"{router}/v1/completions", {"model": RANDOM_NAME, "prompt": f"request {i} " * (5 + i),
+        return call(f"{router}/v1/completions", {"model": RANDOM_NAME, "prompt": f"request {i} " * (5 + i),
                                                   "max_tokens": 24, "temperature": 0, "ignore_eos": True})
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(one, i) for i in range(16)]
         deadline = time.time() + 120
-        while _call(f"{holder['url']}/get_load", timeout=5)[1][0]["num_reqs"] == 0:   # it is serving some
+        while call(f"{holder['url']}/get_load", timeout=5)[1][0]["num_reqs"] == 0:   # it is serving some
             assert time.time() < deadline
             time.sleep(0.05)
         os.kill(holder["pid"], signal.SIGKILL)
@@ -151,9 +84,9 @@ def test_a_worker_killed_under_load_loses_no_request_and_rejoins(fleet):
     # the fleet restarts it, the gateway's health checks take it back, and it serves again
     deadline = time.time() + 300
     while True:
-        now = json.loads((logs / "fleet.json").read_text())
+        now = status(logs)
         w = next(x for x in now["workers"] if x["url"] == holder["url"])
-        if w["restarts"] == 1 and _call(f"{holder['url']}/health", timeout=2)[0] == 200 and _all_healthy(router, 2):
+        if w["restarts"] == 1 and call(f"{holder['url']}/health", timeout=2)[0] == 200 and healthy_workers(router) == 2:
             break
         assert time.time() < deadline, now
         time.sleep(0.5)

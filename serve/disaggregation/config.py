@@ -18,6 +18,14 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
 
+def count_states(states) -> dict[str, int]:
+    """How many rooms are in each state, by its name (for ``/server_info``)."""
+    out: dict[str, int] = {}
+    for state in states:
+        out[state.name] = out.get(state.name, 0) + 1
+    return out
+
+
 def _env(name: str, default: float, least: float) -> float:
     value = os.environ.get(name)
     try:

@@ -14,7 +14,7 @@ import time
 import aiohttp
 import numpy as np
 
-from serve.disaggregation.config import DisaggregationConfig, KVPoll
+from serve.disaggregation.config import DisaggregationConfig, KVPoll, count_states
 from serve.disaggregation.handoff import Prefilled, Reservation
 from serve.disaggregation.prefill import TransferFailed
 from serve.disaggregation.transfer import KVTransfer
@@ -31,6 +31,10 @@ class DecodeSide:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    def rooms(self) -> dict[str, int]:
+        """Rooms in progress by state (``/server_info``)."""
+        return count_states(self.states.values())
 
     async def receive(self, room: int, host: str, port: int, prompt_tokens: int,
                       dp_rank: int | None) -> tuple[Reservation, Prefilled]:

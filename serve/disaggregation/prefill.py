@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from serve.disaggregation.config import DisaggregationConfig, KVPoll
+from serve.disaggregation.config import DisaggregationConfig, KVPoll, count_states
 from serve.disaggregation.handoff import Prefilled
 from serve.disaggregation.transfer import KVTransfer
 
@@ -99,6 +99,13 @@ class PrefillSide:
                 elif self._room(room).state == KVPoll.WaitingForInput:
                     self._rooms[room].prefilled = state
         return export
+
+    def rooms(self) -> dict[str, int]:
+        """Open rooms by state (``/server_info``)."""
+        with self._lock:
+            for room in list(self._rooms):
+                self._check(room)
+            return count_states(r.state for r in self._rooms.values())
 
     # ------------------------------------------------------------------ the bootstrap server
     def app(self) -> web.Application:

@@ -82,4 +82,5 @@ class PdWorker:
     def info(self) -> dict:
         side = self.prefill or self.decode
         return {"disaggregation_mode": self.config.mode, "disaggregation_bootstrap_port": self.config.bootstrap_port,
-                "disaggregation_transfer_backend": self.config.transfer_backend, "failed_rooms": side.failed}
+                "disaggregation_transfer_backend": self.config.transfer_backend, "failed_rooms": side.failed,
+                "rooms": side.rooms()}
