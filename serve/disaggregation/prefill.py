@@ -117,12 +117,15 @@ class PrefillSide:
         app.router.add_delete("/rooms/{room}", self._close)
         return app
 
-    @staticmethod
-    def _room_id(request: web.Request) -> int:
+    def _contact(self, request: web.Request) -> tuple[int, Room]:
+        """(Lock held.) The room a bootstrap request names, after its timeouts; D was just heard from."""
         try:
-            return int(request.match_info["room"])
+            room = int(request.match_info["room"])
         except ValueError:
             raise web.HTTPBadRequest(text="a bootstrap room is an integer") from None
+        r = self._check(room)
+        r.seen = time.monotonic()
+        return room, r
 
     def _answer(self, r: Room) -> web.Response:
         out = {"state": r.state.name, "error": r.error, "ready": r.prefilled is not None}
@@ -135,26 +138,19 @@ class PrefillSide:
         return web.json_response(out)
 
     async def _register(self, request: web.Request) -> web.Response:
-        room = self._room_id(request)
         with self._lock:
-            r = self._check(room)
-            r.seen = time.monotonic()
+            _, r = self._contact(request)
             if r.state == KVPoll.Bootstrapping:
                 r.registered, r.state = True, KVPoll.WaitingForInput
             return self._answer(r)
 
     async def _poll(self, request: web.Request) -> web.Response:
-        room = self._room_id(request)
         with self._lock:
-            r = self._check(room)
-            r.seen = time.monotonic()
-            return self._answer(r)
+            return self._answer(self._contact(request)[1])
 
     async def _pull(self, request: web.Request) -> web.Response:
-        room = self._room_id(request)
         with self._lock:
-            r = self._check(room)
-            r.seen = time.monotonic()
+            room, r = self._contact(request)
             if r.prefilled is None or r.state != KVPoll.WaitingForInput:
                 return web.json_response({"state": r.state.name, "error": r.error or "nothing to pull"}, status=409)
             r.state = KVPoll.Transferring
@@ -164,10 +160,9 @@ class PrefillSide:
             return web.json_response({"state": r.state.name, "address": self.transfer.address()})
 
     async def _close(self, request: web.Request) -> web.Response:
-        room = self._room_id(request)
         ok = request.query.get("ok", "1") == "1"
         with self._lock:
-            r = self._check(room)
+            room, r = self._contact(request)
             if ok and r.state == KVPoll.Transferring:
                 r.state = KVPoll.Success
                 del self._rooms[room]
