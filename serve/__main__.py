@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve.disaggregation.config import DisaggregationConfig
     from serve.disaggregation.worker import PdWorker
     from serve.engine import Engine
-    from serve.server import Server
+    from serve.server import QuietHttp2Probes, Server
 
     if args.disaggregation_mode == "decode" and args.disable_radix_cache:
         ap.error("--disaggregation-mode decode needs the radix cache (the received pages are a prefix hit)")
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    logging.getLogger("aiohttp.server").addFilter(QuietHttp2Probes())
     server = Server(engine, name, api_key=args.api_key, max_queue=args.max_queued_requests,
                     max_request_bytes=args.max_request_bytes, enable_metrics=args.enable_metrics, pd=pd)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)

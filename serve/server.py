@@ -24,6 +24,7 @@ import asyncio
 import codecs
 import functools
 import json
+import logging
 import re
 import time
 import uuid
@@ -31,6 +32,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from model.engram_vocab import tokenizer_path
 from serve.chat_template import ChatTemplateError, render_chat
@@ -516,6 +518,16 @@ class Server:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.engine.load()), content_type="text/plain")
+
+
+class QuietHttp2Probes(logging.Filter):
+    """The gateway probes a worker it registers for gRPC (an HTTP/2 preface); aiohttp answers 400, as
+    it should, but logs each probe as an error with a traceback. This filter (on ``aiohttp.server``)
+    drops those records only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
 
 
 class _Usage:

@@ -106,3 +106,18 @@ def test_a_worker_killed_under_load_loses_no_request_and_rejoins(regular):
 def test_fleet_refuses_bad_arguments(argv, message):
     r = subprocess.run([sys.executable, "-m", "serve.fleet", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_the_gateways_http2_probes_do_not_log_tracebacks():
+    import logging
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from serve.server import QuietHttp2Probes
+
+    def record(exc: Exception) -> logging.LogRecord:
+        return logging.LogRecord("aiohttp.server", logging.ERROR, "", 0, "Error handling request", None,
+                                 (type(exc), exc, None))
+    keep = QuietHttp2Probes().filter
+    assert not keep(record(BadHttpMessage("Pause on PRI/Upgrade:")))
+    assert keep(record(BadHttpMessage("Invalid method encountered"))) and keep(record(ValueError("x")))
