@@ -336,6 +336,7 @@ class Engine:
         pages = reservation.pages[:state.n_pages]
         self.scheduler.unreserve(reservation.rank, reservation.pages[state.n_pages:])
         req.output.append(state.first)
+        req.cached_tokens = state.cached_tokens
         if req.grammar is not None:
             req.grammar.consume(state.first)
         if req.params.logprobs:
@@ -596,7 +597,7 @@ class Engine:
         if req.output and req.finish_reason != "abort":
             n = min(len(req.prompt) // self.config.page_size, len(req.pages))
             state = Prefilled(n, self.runner.read_pages(req.pages[:n]) if n else None, req.output[0],
-                              req.token_logprobs[0] if req.token_logprobs else None,
+                              req.cached_tokens, req.token_logprobs[0] if req.token_logprobs else None,
                               req.top_logprobs[0] if req.top_logprobs else [])
         try:
             export(state)

@@ -274,7 +274,8 @@ class Scheduler:
             if m.length > self.window:
                 radix.lock(m.node)
                 req.radix_node, req.pages, req.shared_pages = m.node, list(m.pages), len(m.pages)
-                req.cached_tokens = min(m.length, len(req.prompt))
+                if req.held_node is None:   # received pages (disaggregation) were computed, not cached
+                    req.cached_tokens = min(m.length, len(req.prompt))
                 start = m.length - self.window
                 if tiers is not None:
                     if req.admissions == 1:   # a retracted request's readmission is not a new hit

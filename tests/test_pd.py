@@ -60,19 +60,26 @@ def _until(check, timeout: float, what: str, state=lambda: None):
     return got
 
 
-def _served_like_colocated(router: str, colocated: dict) -> None:
+def _served_like_colocated(router: str, colocated: dict) -> list[int]:
+    """Each prompt's greedy tokens through the pair equal the colocated engine's; its cached tokens."""
+    cached = []
     for prompt in PROMPTS:
         code, body = call(f"{router}/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 12,
                                                                                      "temperature": 0}})
         assert code == 200, body
         assert body["output_ids"] == colocated[prompt], prompt
+        cached.append(body["meta_info"]["cached_tokens"])
     code, body = call(f"{router}/v1/chat/completions", {"model": SMALL_NAME, "max_tokens": 4,
                                                          "messages": [{"role": "user", "content": PROMPTS[2]}]})
     assert code == 200 and body["usage"]["completion_tokens"] == 4, body
+    return cached
 
 
 def test_greedy_outputs_equal_the_colocated_engine(pd, colocated):
-    _served_like_colocated(pd[0], colocated)
+    # the pages D receives are not a cache hit: cached tokens are P's, none the first time, then its prefix hits
+    assert _served_like_colocated(pd[0], colocated) == [0, 0, 0]
+    again = _served_like_colocated(pd[0], colocated)
+    assert again[0] == 0 and min(again[1:]) > 0, again
     workers = pd[2]
     assert _info(workers["prefill"])["disaggregation_mode"] == "prefill"
     assert _info(workers["decode"])["failed_rooms"] == 0

@@ -117,7 +117,7 @@ class DecodeSide:
                     job.cancel()
                     raise TransferFailed(f"bootstrap room {room}: the transfer from the prefill server broke off")
             pages = np.asarray(job.result())
-        return Prefilled(meta["n_pages"], pages, meta["first"], meta["logprob"],
+        return Prefilled(meta["n_pages"], pages, meta["first"], meta["cached_tokens"], meta["logprob"],
                          [tuple(x) for x in meta["top_logprobs"]])
 
     async def _tell(self, url: str, ok: bool, why: str = "") -> None:

@@ -21,5 +21,6 @@ class Prefilled:
     n_pages: int
     pages: Any
     first: int
+    cached_tokens: int = 0  # of the prompt, served from P's prefix cache (the request's usage reports them)
     logprob: float | None = None
     top_logprobs: list = field(default_factory=list)

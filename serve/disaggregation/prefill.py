@@ -131,7 +131,8 @@ class PrefillSide:
         out = {"state": r.state.name, "error": r.error, "ready": r.prefilled is not None}
         if r.prefilled is not None:
             p = r.prefilled
-            out.update(identity=self.identity, n_pages=p.n_pages, first=p.first, logprob=p.logprob,
+            out.update(identity=self.identity, n_pages=p.n_pages, first=p.first, cached_tokens=p.cached_tokens,
+                       logprob=p.logprob,
                        top_logprobs=p.top_logprobs,
                        shape=None if p.pages is None else list(p.pages.shape),
                        dtype=None if p.pages is None else p.pages.dtype.name)
