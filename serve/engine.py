@@ -278,20 +278,20 @@ class Engine:
         (``reserve``), from which the request goes on after the first token."""
         try:
             return self._submit(prompt, params, rid, thinking, stream, dp_rank, export, prefilled)
-        except BaseException:
-            if prefilled is not None and not prefilled[0].adopted:   # its pages go back, whatever failed
+        except BaseException:   # whatever failed, the other side of a pair hears of it at once
+            if prefilled is not None and not prefilled[0].adopted:
                 self.release(prefilled[0])
+            if export is not None:
+                export(None)
             raise
 
     def _submit(self, prompt, params, rid, thinking, stream, dp_rank, export, prefilled) -> Handle:
         if self.error is not None:
             raise RequestError(f"the engine failed: {self.error}", status=503)
-        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.config.dp_size):
-            raise RequestError(f"data_parallel_rank must be an integer in [0, {self.config.dp_size}) "
-                               f"(--dp-size {self.config.dp_size}), got {dp_rank!r}", "data_parallel_rank")
+        self._check_rank(dp_rank)
         ids, params, grammar = self.validate(prompt, params, thinking)
-        if (export or prefilled) is not None and params.n != 1:
-            raise RequestError("a disaggregated request must have n = 1", "n")
+        if (export or prefilled) is not None:
+            self._check_paired(params)
         rid = rid or f"req-{next(self._ids)}"
         subs = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         handle = Handle(rid, subs, self._close)
@@ -317,6 +317,26 @@ class Engine:
                 self._requests[sub] = req
         return handle
 
+    def _check_rank(self, dp_rank) -> None:
+        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.config.dp_size):
+            raise RequestError(f"data_parallel_rank must be an integer in [0, {self.config.dp_size}) "
+                               f"(--dp-size {self.config.dp_size}), got {dp_rank!r}", "data_parallel_rank")
+
+    @staticmethod
+    def _check_paired(params: SamplingParams) -> None:
+        if params.n != 1:
+            raise RequestError("a disaggregated request must have n = 1", "n")
+
+    def admissible(self, ids: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
+        """``RequestError`` when ``submit`` would refuse a disaggregated request for its rank, ``n`` or
+        size (cheap: no grammar is compiled), so a pair refuses it before either side works on it."""
+        self._check_rank(dp_rank)
+        self._check_paired(params)
+        try:
+            self.scheduler.check(Request("", ids, params, 0))
+        except ValueError as e:
+            raise RequestError(str(e), "max_new_tokens") from None
+
     def reserve(self, prompt_tokens: int, dp_rank: int | None = None) -> Reservation | None:
         """Set aside the pages for a prompt's whole pages (disaggregated decode, before P prefills
         it); None while no DP rank has them. ``release`` gives them back if its state never comes."""
@@ -331,26 +351,17 @@ class Engine:
     def _adopt(self, req: Request, reservation: Reservation, state: Prefilled) -> None:
         """(Lock held.) Take P's state: the first token as if sampled here, the pages into the reserved
         ones; the request then decodes from there (its admission replays the window)."""
-        self.scheduler.check(req)
-        reservation.adopted = True
-        pages = reservation.pages[:state.n_pages]
-        self.scheduler.unreserve(reservation.rank, reservation.pages[state.n_pages:])
-        req.output.append(state.first)
+        pages, rest = reservation.pages[:state.n_pages], reservation.pages[state.n_pages:]
+        self._accept(req, state.first, state.logprob or 0.0, iter(state.top_logprobs))
         req.cached_tokens = state.cached_tokens
-        if req.grammar is not None:
-            req.grammar.consume(state.first)
-        if req.params.logprobs:
-            req.token_logprobs.append(state.logprob if state.logprob is not None else 0.0)
-            req.top_logprobs.append([(int(a), float(b)) for a, b in state.top_logprobs][:req.params.top_logprobs])
-        if req.detok is None and req.params.stop:
-            req.detok = Detokenizer(self.decode)
-        req.check_stop(state.first, self.eos_ids, req.detok)
         if req.finished:
-            self.scheduler.unreserve(reservation.rank, pages)
+            rest = reservation.pages
         else:
             if pages:
                 self.runner.write_pages(pages, np.asarray(state.pages)[:len(pages)])
             self.scheduler.adopt(req, reservation.rank, pages)
+        reservation.adopted = True   # from here the request owns its pages (submit gives back the rest)
+        self.scheduler.unreserve(reservation.rank, rest)
         self._notify(req)
 
     def validate(self, prompt: list[int] | str, params: SamplingParams | dict | None = None, thinking: bool = False):
@@ -722,17 +733,21 @@ class Engine:
                     break  # a step dispatched before the host saw the stop, or a stop inside the block
                 i = first + j
                 tok = int(tokens[i]) if j == take - 1 or not c.drafts else c.drafts[j]
-                req.output.append(tok)
-                if req.grammar is not None:
-                    req.grammar.consume(tok)
-                if req.params.logprobs:
-                    req.token_logprobs.append(float(logprobs[i]))
-                    n = req.params.top_logprobs
-                    req.top_logprobs.append([(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
-                if req.detok is None and req.params.stop:
-                    req.detok = Detokenizer(self.decode)
-                req.check_stop(tok, self.eos_ids, req.detok)
+                self._accept(req, tok, float(logprobs[i]), zip(top_ids[i], top_lps[i]))
             self._notify(req)
+
+    def _accept(self, req: Request, tok: int, logprob: float, top) -> None:
+        """Append a token a request sampled (here, or on the prefill side of a disaggregated pair):
+        its grammar, logprobs (``top``: (id, logprob) pairs, best first) and stop conditions."""
+        req.output.append(tok)
+        if req.grammar is not None:
+            req.grammar.consume(tok)
+        if req.params.logprobs:
+            req.token_logprobs.append(logprob)
+            req.top_logprobs.append([(int(a), float(b)) for a, b in itertools.islice(top, req.params.top_logprobs)])
+        if req.detok is None and req.params.stop:
+            req.detok = Detokenizer(self.decode)
+        req.check_stop(tok, self.eos_ids, req.detok)
 
     # ------------------------------------------------------------------ public APIs
     def generate(self, prompts: Iterable[list[int] | str], sampling_params: dict | list | None = None,
@@ -817,6 +832,8 @@ class Engine:
                 if not req.finished:
                     req.finish_reason = "abort"
                     self._notify(req)
+                if req.export is not None:
+                    self._export(req)
 
     def stop(self) -> None:
         if self._thread is not None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 log = logging.getLogger("megajax.fleet")
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+QUICK_EXIT_S = 30.0   # a worker that exits this soon after starting is crash-looping
 
 
 @dataclass
@@ -42,8 +43,12 @@ class Process:
     role: str = "regular"  # a worker's: regular, prefill or decode
     popen: subprocess.Popen | None = None
     restarts: int = 0
+    started: float = 0.0
+    quick_exits: int = 0  # exits in a row within QUICK_EXIT_S of a start: the restart backs off
+    restart_at: float | None = None  # when an exited worker starts again
 
     def start(self) -> None:
+        self.started, self.restart_at = time.monotonic(), None
         with open(self.log_path, "ab") as out:
             self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)   # a terminal's Ctrl-C reaches the fleet only
 
@@ -117,6 +122,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         ap.error("--workers must be at least 1")
     if (args.prefill > 0) != (args.decode > 0) or min(args.prefill, args.decode) < 0:
         ap.error("a disaggregated fleet needs --prefill and --decode workers, at least one of each")
+    if args.prefill and "--workers" in argv:
+        ap.error("--workers is for a fleet of replicas; a disaggregated one takes --prefill and --decode")
     owned = ("--port", "--host", "--disaggregation-mode", "--disaggregation-bootstrap-port")
     if any(a in owned or a.startswith(tuple(o + "=" for o in owned)) for a in worker_args):
         ap.error(f"the fleet sets each worker's {', '.join(owned)}: leave them out after --")
@@ -169,11 +176,17 @@ def main(argv: list[str] | None = None) -> int:
             if not router.alive():
                 raise RuntimeError(f"the router exited with code {router.popen.returncode} (its log: "
                                    f"{router.log_path})")
+            now = time.monotonic()
             for w in workers:
-                if not w.alive():
+                if w.alive():
+                    continue
+                if w.restart_at is None:   # it just exited
+                    w.quick_exits = w.quick_exits + 1 if now - w.started < QUICK_EXIT_S else 0
+                    w.restart_at = now + min(2 ** w.quick_exits - 1, 60)
+                    log.warning("%s exited with code %s: starting it again in %.0f s", w.name, w.popen.returncode,
+                                w.restart_at - now)
+                if now >= w.restart_at:
                     w.restarts += 1
-                    log.warning("%s exited with code %s: starting it again (restart %d)", w.name,
-                                w.popen.returncode, w.restarts)
                     w.start()
                     status()
             time.sleep(0.5)

@@ -171,8 +171,9 @@ class Scheduler:
         whose state arrives later (disaggregated decode); None while no rank has them."""
         ranks = [r for r in self.ranks if dp_rank in (None, r.index)]
         rank = max(ranks, key=lambda r: (len(r.pool.free) + r.evictable, -r.index))
-        pages = rank.grab(n) if n else []
-        return None if pages is None else (rank.index, pages)
+        if len(rank.pool.free) + rank.evictable < n:
+            return None   # (evicting now would empty the prefix cache for a grab that still fails)
+        return rank.index, rank.grab(n) if n else []
 
     def unreserve(self, rank: int, pages: list[int]) -> None:
         self.ranks[rank].pool.give(pages)
@@ -181,6 +182,7 @@ class Scheduler:
         """Queue ``req`` on ``rank`` with ``pages`` (reserved there) holding its prompt's first whole
         pages: they join the rank's radix cache, held until its admission matches them (a prefix
         hit, encoder replay included)."""
+        self.check(req)
         req.dp_rank = rank
         if pages:
             radix = self.ranks[rank].radix
@@ -188,7 +190,7 @@ class Scheduler:
             self.ranks[rank].pool.give(dup)
             radix.lock(node)
             req.held_node = node
-        self.submit(req)
+        self.waiting.append(req)
 
     def _unhold(self, req: Request) -> None:
         if req.held_node is not None:

@@ -36,7 +36,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from model.engram_vocab import tokenizer_path
 from serve.chat_template import ChatTemplateError, render_chat
-from serve.disaggregation.prefill import TransferFailed
+from serve.disaggregation.handoff import TransferFailed
 from serve.disaggregation.worker import PdWorker
 from serve.engine import Engine
 from serve.handle import Handle, RequestError
@@ -209,6 +209,9 @@ class Server:
                                     **pd))
         try:
             handle = await asyncio.wait_for(asyncio.shield(job), SUBMIT_TIMEOUT_S)
+        except asyncio.CancelledError:   # the client left while the engine took it: nobody reads it
+            job.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            raise
         except asyncio.TimeoutError:
             job.add_done_callback(lambda f: f.exception() is None and f.result().close())
             field = next((k for k in ("json_schema", "regex", "ebnf") if getattr(params, k) is not None), None)

@@ -82,7 +82,7 @@ def test_greedy_outputs_equal_the_colocated_engine(pd, colocated):
     assert again[0] == 0 and min(again[1:]) > 0, again
     workers = pd[2]
     assert _info(workers["prefill"])["disaggregation_mode"] == "prefill"
-    assert _info(workers["decode"])["failed_rooms"] == 0
+    assert _info(workers["decode"])["failed_rooms"] == 0 and _info(workers["prefill"])["failed_rooms"] == 0
 
 
 def _pair(pd, room: int, prompt: str, to: tuple[str, ...]) -> dict:
@@ -168,3 +168,10 @@ def test_bad_bootstrap_fields_are_4xx(pd):
         for role in ("prefill", "decode"):
             code, body = call(f"{workers[role]['url']}/generate", {"text": "x", **bad})
             assert code == 400 and body["error"]["param"] == field, (role, bad, body)
+    # a request either side refuses is refused by both at once, before P waits for D or D reserves
+    too_long = {"text": "x", "sampling_params": {"max_new_tokens": 5000}, "bootstrap_room": 6,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": pd[3]}
+    for role in ("prefill", "decode"):
+        t0 = time.time()
+        code, body = call(f"{workers[role]['url']}/generate", too_long)
+        assert code == 400 and "context length" in body["error"]["message"] and time.time() - t0 < 2, (role, body)

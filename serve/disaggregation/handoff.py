@@ -1,4 +1,5 @@
-"""What passes between the engines of a disaggregated pair: D's reservation, P's prefilled state."""
+"""What passes between the engines of a disaggregated pair: D's reservation, P's prefilled state, and
+the error that ends a pair's request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,3 +25,7 @@ class Prefilled:
     cached_tokens: int = 0  # of the prompt, served from P's prefix cache (the request's usage reports them)
     logprob: float | None = None
     top_logprobs: list = field(default_factory=list)
+
+
+class TransferFailed(RuntimeError):
+    """A bootstrap room failed; the message says why (it reaches the client)."""

@@ -9,7 +9,9 @@ A room (the router's ``bootstrap_room``) moves through SGLang's ``KVPoll`` state
     Success          D acknowledged (``DELETE``): the room closes (P's request ended with its prefill)
     Failed           D never registered within the bootstrap timeout, went silent (its polls are
                      its heartbeat) for heartbeat interval x max failures, the prefill was aborted,
-                     or D gave up (``DELETE`` with ``ok`` false); the request on P ends too
+                     or D gave up (``DELETE`` with ``ok`` false); the request on P ends too. The
+                     timeouts are applied when a room is touched and by ``sweep`` (every heartbeat
+                     interval), which drops a silent D's state
 
 The bootstrap server's routes: ``GET /health``; ``PUT /rooms/{room}`` (D registers); ``GET
 /rooms/{room}`` (D polls: state, and once ready what to fetch); ``POST /rooms/{room}/pull``;
@@ -26,12 +28,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from serve.disaggregation.config import DisaggregationConfig, KVPoll, count_states
-from serve.disaggregation.handoff import Prefilled
+from serve.disaggregation.handoff import Prefilled, TransferFailed
 from serve.disaggregation.transfer import KVTransfer
-
-
-class TransferFailed(RuntimeError):
-    """A room failed; the message says why (it reaches the client)."""
 
 
 @dataclass
@@ -39,7 +37,6 @@ class Room:
     state: KVPoll = KVPoll.Bootstrapping
     created: float = 0.0
     seen: float = 0.0  # D's last contact
-    registered: bool = False
     prefilled: Prefilled | None = None
     error: str = ""
 
@@ -56,9 +53,6 @@ class PrefillSide:
         r = self._rooms.get(room)
         if r is None:
             now = time.monotonic()
-            for k in [k for k, x in self._rooms.items() if x.state == KVPoll.Failed
-                      and now - x.created > 2 * self.config.bootstrap_timeout]:
-                del self._rooms[k]   # failed rooms no request handler collected (their request never came)
             r = self._rooms[room] = Room(created=now, seen=now)
         return r
 
@@ -86,7 +80,7 @@ class PrefillSide:
                 r = self._check(room)
                 if r.state == KVPoll.Failed:
                     raise TransferFailed(r.error)
-                if r.registered:
+                if r.state != KVPoll.Bootstrapping:   # D registered
                     return
             await asyncio.sleep(self.config.poll_interval)
 
@@ -94,17 +88,26 @@ class PrefillSide:
         """The engine's ``export`` for the request of ``room`` (called on the engine loop's thread)."""
         def export(state: Prefilled | None) -> None:
             with self._lock:
+                r = self._rooms.get(room)   # gone: it failed and was swept
                 if state is None:
                     self._fail(room, f"bootstrap room {room}: the prefill was aborted")
-                elif self._room(room).state == KVPoll.WaitingForInput:
-                    self._rooms[room].prefilled = state
+                elif r is not None and r.state == KVPoll.WaitingForInput:
+                    r.prefilled = state
         return export
 
-    def rooms(self) -> dict[str, int]:
-        """Open rooms by state (``/server_info``)."""
+    def sweep(self) -> None:
+        """Apply the rooms' timeouts (a silent D's state is dropped here, not when someone next asks)
+        and forget the failed rooms no request handler is waiting on any more."""
         with self._lock:
+            now = time.monotonic()
             for room in list(self._rooms):
-                self._check(room)
+                r = self._check(room)
+                if r.state == KVPoll.Failed and now - r.seen > 2 * self.config.bootstrap_timeout:
+                    del self._rooms[room]
+
+    def rooms(self) -> dict[str, int]:
+        """Rooms by state (``/server_info``)."""
+        with self._lock:
             return count_states(r.state for r in self._rooms.values())
 
     # ------------------------------------------------------------------ the bootstrap server
@@ -128,10 +131,10 @@ class PrefillSide:
         return room, r
 
     def _answer(self, r: Room) -> web.Response:
-        out = {"state": r.state.name, "error": r.error, "ready": r.prefilled is not None}
+        out = {"state": r.state.name, "error": r.error, "ready": r.prefilled is not None, "identity": self.identity}
         if r.prefilled is not None:
             p = r.prefilled
-            out.update(identity=self.identity, n_pages=p.n_pages, first=p.first, cached_tokens=p.cached_tokens,
+            out.update(n_pages=p.n_pages, first=p.first, cached_tokens=p.cached_tokens,
                        logprob=p.logprob,
                        top_logprobs=p.top_logprobs,
                        shape=None if p.pages is None else list(p.pages.shape),
@@ -146,8 +149,16 @@ class PrefillSide:
             return self._answer(r)
 
     async def _poll(self, request: web.Request) -> web.Response:
-        with self._lock:
-            return self._answer(self._contact(request)[1])
+        """A long poll: the answer comes when the room is ready or failed, or after a heartbeat interval
+        (D's next poll is its next heartbeat), so D's requests cost P one HTTP request a second, not
+        one every few milliseconds."""
+        deadline = time.monotonic() + min(self.config.heartbeat_interval / 2, 1.0)
+        while True:
+            with self._lock:
+                _, r = self._contact(request)
+                if r.prefilled is not None or r.state == KVPoll.Failed or time.monotonic() > deadline:
+                    return self._answer(r)
+            await asyncio.sleep(self.config.poll_interval)
 
     async def _pull(self, request: web.Request) -> web.Response:
         with self._lock:
@@ -164,7 +175,8 @@ class PrefillSide:
         ok = request.query.get("ok", "1") == "1"
         with self._lock:
             room, r = self._contact(request)
-            if ok and r.state == KVPoll.Transferring:
+            pageless = r.prefilled is not None and r.prefilled.pages is None   # nothing to pull: D has it all
+            if ok and (r.state == KVPoll.Transferring or pageless):
                 r.state = KVPoll.Success
                 del self._rooms[room]
             else:

@@ -7,6 +7,7 @@ without a room is served whole, as a colocated server would (health probes, dire
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from aiohttp import web
@@ -47,20 +48,30 @@ def bootstrap_of(body: dict, own_port: int) -> Bootstrap | None:
 
 class PdWorker:
     def __init__(self, config: DisaggregationConfig, engine, host: str):
-        self.config, self.host = config, host
+        self.config, self.host, self.engine = config, host, engine
         transfer = make_transfer(config.transfer_backend, host)
         self.prefill = PrefillSide(config, transfer, engine.page_identity) if config.mode == "prefill" else None
         self.decode = DecodeSide(config, transfer, engine) if config.mode == "decode" else None
         self._site: web.AppRunner | None = None
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """P: the bootstrap server on ``--disaggregation-bootstrap-port``."""
+        """P: the bootstrap server on ``--disaggregation-bootstrap-port``, and the rooms' timeouts swept
+        every heartbeat interval."""
         if self.prefill is not None:
             self._site = web.AppRunner(self.prefill.app(), access_log=None)
             await self._site.setup()
             await web.TCPSite(self._site, self.host, self.config.bootstrap_port).start()
+            self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            self.prefill.sweep()
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._site is not None:
             await self._site.cleanup()
         if self.decode is not None:
@@ -73,6 +84,7 @@ class PdWorker:
         b = bootstrap_of(body, self.config.bootstrap_port)
         if b is None:
             return params, {}
+        self.engine.admissible(ids, params, dp_rank)   # both sides refuse it before either works on it
         if self.prefill is not None:
             await self.prefill.prefill_allowed(b.room)
             first = dataclasses.replace(params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1))
