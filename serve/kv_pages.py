@@ -74,11 +74,15 @@ def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization:
     """What must agree for two engines' pages to be interchangeable: the config, the page size, the
     pools' dtype, the expert quantisation (it changes every later layer's KV) and the weights, which
     the first 64 values of every tensor stand for (two fine-tunes of one base differ somewhere in
-    most tensors, not in the embedding alone)."""
+    most tensors, not in the embedding alone). A tensor in host memory (``--engram-placement host``)
+    counts by its shape and dtype: XLA cannot index it outside a program."""
     h = hashlib.sha256()
     for part in (repr(cfg), page_size, jnp.dtype(params["embed"].dtype).name, quantization):
         h.update(repr(part).encode() + b"\0")
     for leaf in jax.tree.leaves(params):
+        if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host":
+            h.update(repr((leaf.shape, leaf.dtype.name)).encode())
+            continue
         head = leaf[(0,) * (leaf.ndim - 1)][:64] if leaf.ndim else leaf
         h.update(np.asarray(head).tobytes())
     return h.digest()
