@@ -5,8 +5,9 @@ address P publishes), through the same ``KVTransfer`` objects the servers use; e
 ``--reps`` times (fresh arrays, checked against what P sent) after one warm-up pull. Sizes are page
 arrays ``[n, page_elems]`` of V4.1-Flash's pages: 3,200 B a token in bf16 (its four KV sources'
 compressed KV and indexer keys, bench/RESULTS.md "hierarchical cache"), 64 tokens a page, so a row
-of the table is a prompt of n x 64 tokens. Peer: GPU_KERNELS §7 (jax.experimental.transfer 2.3 GiB/s on CUDA,
-cross-process device_put 155 GiB/s between two H200 processes).
+of the table is a prompt of n x 64 tokens. Ceiling measured beside each size: one host memcpy of as many bytes.
+Peers: GPU_KERNELS §7 (jax.experimental.transfer 2.3 GiB/s on CUDA, cross-process device_put 155
+GiB/s between two H200 processes).
 
     python bench/pd_transfer.py                    # writes $OUT/pd_transfer.json (bench_out/ without $OUT)
 """
@@ -25,6 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PAGE_TOKENS = 64
 FLASH_BYTES_PER_TOKEN = 3200
 PAGE_ELEMS = FLASH_BYTES_PER_TOKEN * PAGE_TOKENS // 2   # bf16
+
+
+def host_copy_rate(nbytes: int, reps: int = 5) -> float:
+    """GiB/s of one host memcpy of ``nbytes`` (the ceiling of a transfer through host memory)."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 2**30
 
 
 def prefill_side(backend: str, pages: list[int], elems: int, reps: int, conn) -> None:
@@ -78,9 +92,10 @@ def main() -> None:
         nbytes = n * elems * 2
         best = min(times)
         rows.append({"pages": n, "tokens": n * PAGE_TOKENS, "bytes": nbytes, "best_s": best,
-                     "median_s": sorted(times)[len(times) // 2], "GiB_per_s": nbytes / best / 2**30})
+                     "median_s": sorted(times)[len(times) // 2], "GiB_per_s": nbytes / best / 2**30,
+                     "host_copy_GiB_per_s": host_copy_rate(nbytes)})
         print(f"{n:6d} pages ({n * PAGE_TOKENS:7d} tokens, {nbytes / 2**20:8.1f} MiB): {best * 1e3:8.2f} ms, "
-              f"{rows[-1]['GiB_per_s']:6.2f} GiB/s", flush=True)
+              f"{rows[-1]['GiB_per_s']:6.2f} GiB/s (a host memcpy: {rows[-1]['host_copy_GiB_per_s']:.1f})", flush=True)
     here.send("done")
     p.join(60)
     write("pd_transfer", {**run_info(), "backend": args.backend, "page_elems": elems, "page_tokens": PAGE_TOKENS,
