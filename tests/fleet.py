@@ -49,6 +49,15 @@ def call(url: str, body: dict | None = None, timeout: float = 300, method: str |
         return -1, repr(e)
 
 
+def answer(url: str, timeout: float = 60) -> object:
+    """``url``'s 200 answer, asked again while a worker is too busy (compiling) to answer in time."""
+    deadline = time.time() + timeout
+    while (got := call(url, timeout=5))[0] != 200:
+        assert time.time() < deadline, got
+        time.sleep(0.2)
+    return got[1]
+
+
 def healthy_workers(router: str) -> int:
     code, body = call(f"{router}/workers", timeout=2)
     return sum(w["is_healthy"] for w in body["workers"]) if code == 200 and isinstance(body, dict) else 0

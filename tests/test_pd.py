@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fleet import call, fleet, healthy_workers, status
+from fleet import answer, call, fleet, healthy_workers, status
 from serve.default_model import SMALL_DIR, SMALL_NAME
 from serve.engine import Engine, EngineConfig
 
@@ -43,11 +43,11 @@ def colocated():
 
 
 def _info(worker: dict) -> dict:
-    return call(f"{worker['url']}/server_info", timeout=5)[1]
+    return answer(f"{worker['url']}/server_info")
 
 
 def _idle(worker: dict) -> bool:
-    load = call(f"{worker['url']}/get_load", timeout=5)[1]
+    load = answer(f"{worker['url']}/get_load")
     return load[0]["num_reqs"] == 0 and load[0]["num_tokens"] == 0
 
 

@@ -15,22 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fleet import ROOT, call, fleet, healthy_workers, status
+from fleet import ROOT, answer, call, fleet, healthy_workers, status
 from serve.default_model import RANDOM_NAME
-
-
-def _answer(url: str, timeout: float = 60) -> object:
-    """``url``'s 200 answer, asked again while the worker is too busy (compiling) to answer."""
-    deadline = time.time() + timeout
-    while (got := call(url, timeout=5))[0] != 200:
-        assert time.time() < deadline, got
-        time.sleep(0.2)
-    return got[1]
 
 
 def _prompt_tokens(worker: str) -> float:
     """Prompt tokens the worker has served (its Prometheus counter)."""
-    lines = [x for x in _answer(f"{worker}/metrics").decode().splitlines()
+    lines = [x for x in answer(f"{worker}/metrics").decode().splitlines()
              if x.startswith("sglang:prompt_tokens_total")]
     return sum(float(x.split()[-1]) for x in lines)
 
@@ -80,7 +71,7 @@ def test_a_worker_killed_under_load_loses_no_request_and_rejoins(regular):
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(one, i) for i in range(16)]
         deadline = time.time() + 120
-        while _answer(f"{holder['url']}/get_load")[0]["num_reqs"] == 0:   # it is serving some
+        while answer(f"{holder['url']}/get_load")[0]["num_reqs"] == 0:   # it is serving some
             assert time.time() < deadline
             time.sleep(0.05)
         os.kill(holder["pid"], signal.SIGKILL)
