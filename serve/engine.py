@@ -472,11 +472,13 @@ class Engine:
             waiting = [[] for _ in range(n)]
             for i, req in enumerate(s.waiting):
                 waiting[i % n if req.dp_rank is None else req.dp_rank].append(req)
-            now = time.perf_counter()
-            return [{"dp_rank": r.index, "num_reqs": sum(q.rank == r.index and not q.finished for q in s.running) + len(waiting[r.index]),
-                     "num_waiting_reqs": len(waiting[r.index]),
-                     "num_tokens": r.used_pages * self.config.page_size + sum(len(q.ids) for q in waiting[r.index]),
-                     "ts_tic": now} for r in s.ranks]
+            now, out = time.perf_counter(), []
+            for r, queued in zip(s.ranks, waiting):
+                running = sum(q.rank == r.index and not q.finished for q in s.running)
+                out.append({"dp_rank": r.index, "num_reqs": running + len(queued), "num_waiting_reqs": len(queued),
+                            "num_tokens": r.used_pages * self.config.page_size + sum(len(q.ids) for q in queued),
+                            "ts_tic": now})
+            return out
 
     def _load_of(self, ranks, running) -> dict:
         used = sum(r.used_pages for r in ranks)

@@ -50,7 +50,8 @@ class Process:
     def start(self) -> None:
         self.started, self.restart_at = time.monotonic(), None
         with open(self.log_path, "ab") as out:
-            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)   # a terminal's Ctrl-C reaches the fleet only
+            # its own session: a terminal's Ctrl-C reaches the fleet only, which stops the children in order
+            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
