@@ -65,14 +65,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args):
     """The engine as ``python -m serve`` builds it from these flags."""
-    from serve.default_model import RANDOM, SMALL_DIR, random_config, random_params
-    from serve.engine import Engine
+    from serve.default_model import served_engine
 
-    config = engine_config(args)
-    if args.model == RANDOM:
-        cfg = random_config()
-        return Engine(random_params(cfg), cfg, config)
-    return Engine.from_model_dir(args.model or SMALL_DIR, config)
+    return served_engine(args.model, engine_config(args))[0]
 
 
 def ttft(engine, prompt) -> tuple[float, dict]:

@@ -14,7 +14,6 @@ GiB/s between two H200 processes).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import sys
 import time
@@ -41,7 +40,7 @@ def host_copy_rate(nbytes: int, reps: int = 5) -> float:
     return nbytes / best / 2**30
 
 
-def prefill_side(backend: str, pages: list[int], elems: int, reps: int, conn) -> None:
+def prefill_side(backend: str, shapes: list[tuple[int, int]], reps: int, conn) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -50,13 +49,49 @@ def prefill_side(backend: str, pages: list[int], elems: int, reps: int, conn) ->
     t = make_transfer(backend)
     conn.send(t.address())
     room = 0
-    for n in pages:
+    for shape in shapes:
         for rep in range(reps + 1):
-            x = jax.random.normal(jax.random.key(room), (n, elems), jnp.float32).astype(jnp.bfloat16)
-            t.offer(room, x)
+            x = jax.random.normal(jax.random.key(room), shape, jnp.float32).astype(jnp.bfloat16)
+            t.offer(room, x, ttl=600)
             conn.send((room, float(jnp.sum(x.astype(jnp.float32)))))
             room += 1
     conn.recv()   # D is done: the offers may go
+
+
+def pull_times(backend: str, shapes: list[tuple[int, int]], reps: int) -> list[list[float]]:
+    """Seconds of each of ``reps`` pulls (after one warm-up) of a fresh bf16 array of each shape, offered by
+    a second process through ``backend``; every pull checked against what was sent."""
+    import jax.numpy as jnp
+
+    from serve.disaggregation.transfer import make_transfer
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=prefill_side, args=(backend, shapes, reps, there))
+    p.start()
+    t = make_transfer(backend)
+
+    def recv():
+        if not here.poll(300):
+            raise RuntimeError(f"the offering process (exit code {p.exitcode}) sent nothing for 300 s")
+        return here.recv()
+
+    address = recv()
+    out = []
+    for shape in shapes:
+        times = []
+        for rep in range(reps + 1):
+            room, total = recv()
+            t0 = time.perf_counter()
+            y = t.fetch(address, room, shape, "bfloat16")
+            dt = time.perf_counter() - t0
+            assert abs(float(jnp.sum(y.astype(jnp.float32))) - total) <= 1e-3 * max(abs(total), 1), "wrong bytes"
+            if rep:
+                times.append(dt)
+        out.append(times)
+    here.send("done")
+    p.join(60)
+    return out
 
 
 def main() -> None:
@@ -66,29 +101,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     import jax
-    import jax.numpy as jnp
 
     from gpu_common import run_info, write
-    from serve.disaggregation.transfer import make_transfer
 
     elems, pages = PAGE_ELEMS, [int(x) for x in args.pages.split(",")]
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    p = ctx.Process(target=prefill_side, args=(args.backend, pages, elems, args.reps, there))
-    p.start()
-    t = make_transfer(args.backend)
-    address = here.recv()
     rows = []
-    for n in pages:
-        times = []
-        for rep in range(args.reps + 1):
-            room, total = here.recv()
-            t0 = time.perf_counter()
-            y = t.fetch(address, room, (n, elems), "bfloat16")
-            dt = time.perf_counter() - t0
-            assert abs(float(jnp.sum(y.astype(jnp.float32))) - total) <= 1e-3 * max(abs(total), 1), "wrong bytes"
-            if rep:
-                times.append(dt)
+    for n, times in zip(pages, pull_times(args.backend, [(n, elems) for n in pages], args.reps)):
         nbytes = n * elems * 2
         best = min(times)
         rows.append({"pages": n, "tokens": n * PAGE_TOKENS, "bytes": nbytes, "best_s": best,
@@ -96,8 +114,6 @@ def main() -> None:
                      "host_copy_GiB_per_s": host_copy_rate(nbytes)})
         print(f"{n:6d} pages ({n * PAGE_TOKENS:7d} tokens, {nbytes / 2**20:8.1f} MiB): {best * 1e3:8.2f} ms, "
               f"{rows[-1]['GiB_per_s']:6.2f} GiB/s (a host memcpy: {rows[-1]['host_copy_GiB_per_s']:.1f})", flush=True)
-    here.send("done")
-    p.join(60)
     write("pd_transfer", {**run_info(), "backend": args.backend, "page_elems": elems, "page_tokens": PAGE_TOKENS,
                           "bytes_per_token": elems * 2 / PAGE_TOKENS, "device": str(jax.devices()[0]), "rows": rows,
                           "peers": {"jax.experimental.transfer on CUDA (GPU_KERNELS §7)": "2.3 GiB/s",

@@ -34,32 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("megajax")
 
-    from pathlib import Path
-
     from aiohttp import web
     from tqdm import tqdm
 
     from checkpoints.hf import CheckpointError
     from model.config import ConfigError
-    from serve.default_model import RANDOM, RANDOM_NAME, SMALL_DIR, SMALL_NAME, random_config, random_params
+    from serve.default_model import served_engine
     from serve.disaggregation.config import DisaggregationConfig
     from serve.disaggregation.worker import PdWorker
-    from serve.engine import Engine
     from serve.server import QuietHttp2Probes, Server
 
     if args.disaggregation_mode == "decode" and args.disable_radix_cache:
         ap.error("--disaggregation-mode decode needs the radix cache (the received pages are a prefix hit)")
     try:
-        config = engine_config(args)
-        if args.model == RANDOM:
-            cfg = random_config()
-            engine = Engine(random_params(cfg, draft=config.speculative_algorithm is not None), cfg, config)
-            name = RANDOM_NAME
-        elif args.model is None:
-            engine, name = Engine.from_model_dir(SMALL_DIR, config), SMALL_NAME
-        else:
-            engine = Engine.from_model_dir(args.model, config, progress=True)
-            name = Path(args.model).resolve().name
+        engine, name = served_engine(args.model, engine_config(args), progress=True)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

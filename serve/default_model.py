@@ -38,6 +38,19 @@ def random_config() -> ModelConfig:
     })
 
 
+def served_engine(model: str | None, config, progress: bool = False):
+    """``(Engine, served model name)`` for ``--model`` as ``python -m serve`` reads it: None (the
+    default small model), ``random-tiny``, or a checkpoint directory."""
+    from serve.engine import Engine
+
+    if model == RANDOM:
+        cfg = random_config()
+        return Engine(random_params(cfg, draft=config.speculative_algorithm is not None), cfg, config), RANDOM_NAME
+    if model is None:
+        return Engine.from_model_dir(SMALL_DIR, config), SMALL_NAME
+    return Engine.from_model_dir(model, config, progress=progress), Path(model).resolve().name
+
+
 def random_params(cfg: ModelConfig, draft: bool = False):
     """``random-tiny``'s weights (``draft``: with the DSpark draft layers, for ``--speculative-algorithm``)."""
     from checkpoints.init import init_params

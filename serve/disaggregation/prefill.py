@@ -167,7 +167,7 @@ class PrefillSide:
                 return web.json_response({"state": r.state.name, "error": r.error or "nothing to pull"}, status=409)
             r.state = KVPoll.Transferring
             if r.prefilled.pages is not None:
-                self.transfer.offer(room, r.prefilled.pages)
+                self.transfer.offer(room, r.prefilled.pages, self.config.waiting_timeout)
             r.prefilled = None   # the offer holds its copy now
             return web.json_response({"state": r.state.name, "address": self.transfer.address()})
 

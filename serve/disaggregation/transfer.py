@@ -3,13 +3,16 @@
 The interface is the part a Mooncake or NIXL backend would implement: P ``offer``s one array under
 the request's bootstrap room when D asks for it; D ``fetch``es it by P's ``address`` and the room,
 knowing its shape and dtype from the bootstrap server. Pull, not push: P holds nothing for a D that
-never asks, and P's page pool is free again the moment its prefill ends (the offer is a copy).
+never asks, and P's page pool is free again the moment its prefill ends (the offer is a copy). An
+offer expires after ``ttl`` seconds, so a D that dies between asking and fetching leaks nothing for
+longer than that.
 
 ``jax-transfer``: ``jax.experimental.transfer``, a transfer server in each process (TCP through the
 host; CPU and GPU alike).
 """
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Protocol
 
@@ -20,8 +23,8 @@ class KVTransfer(Protocol):
     def address(self) -> str:
         """Where the other side of a pair reaches this process's transfers."""
 
-    def offer(self, room: int, pages: jax.Array) -> None:
-        """(P) Make ``pages`` fetchable, once, under ``room``."""
+    def offer(self, room: int, pages: jax.Array, ttl: float) -> None:
+        """(P) Make ``pages`` fetchable, once, under ``room``, for ``ttl`` seconds."""
 
     def fetch(self, address: str, room: int, shape: tuple[int, ...], dtype: str) -> jax.Array:
         """(D) The array P at ``address`` offered under ``room`` (blocks until it is there)."""
@@ -39,9 +42,11 @@ class JaxTransfer:
     def address(self) -> str:
         return self._server.address()
 
-    def offer(self, room: int, pages: jax.Array) -> None:
-        # the server registers only single-device arrays a peer can pull whole: gather a sharded one
-        self._server.await_pull(room, [jax.device_put(pages, self._device)])
+    def offer(self, room: int, pages: jax.Array, ttl: float) -> None:
+        # the server registers only single-device arrays a peer can pull whole: gather a sharded one;
+        # an expired offer is dropped (its buffers freed) at the server's next offer
+        expires = datetime.datetime.now() + datetime.timedelta(seconds=ttl)
+        self._server.await_pull(room, [jax.device_put(pages, self._device)], timeout=expires)
 
     def fetch(self, address: str, room: int, shape: tuple[int, ...], dtype: str) -> jax.Array:
         with self._lock:
