@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model.engram_vocab import tokenizer_path  # noqa: E402
-from tests.fleet import fleet  # noqa: E402
+from serve.fleet import launched  # noqa: E402
 
 CLIENT_ENV = {"HF_HUB_OFFLINE": "1"}   # bench_serving would look the served model's name up on the hub
 MODES = {"colocated": (["--workers", "1"], 1), "pd": (["--prefill", "1", "--decode", "1"], 2)}
@@ -58,7 +58,7 @@ NOTES = [
     "while bench_serving counts --random-input-len. "
     "(--tokenize-prompt, which would send the ids, takes the list prompts for multi-turn in sglang 0.5.8.)",
     "bench_serving's warm-up request is the measured run's first prompt, so that one is a prefix-cache hit.",
-    "The fleet is tests/fleet.py's: the gateway's default policy (cache_aware) and health checks every second "
+    "The fleet is serve.fleet.launched's: the gateway's default policy (cache_aware) and health checks every second "
     "with a 1 s timeout (a worker busy compiling in the priming pass can miss it, and the gateway then "
     "fails a request: priming_completed); HF_HUB_OFFLINE=1 keeps the client from looking the model name up on the hub.",
 ]
@@ -114,7 +114,7 @@ def run_mode(args, mode: str, tokenizer: Path) -> dict:
     fleet_args, workers = MODES[mode]
     logs = args.log_dir / mode
     shutil.rmtree(logs, ignore_errors=True)   # the fleet appends to its logs
-    with fleet(logs, fleet_args, shlex.split(args.worker_args), workers) as (router, _):
+    with launched(logs, fleet_args, shlex.split(args.worker_args), workers) as (router, _):
         prime = bench_cmd(args, router, tokenizer, args.seed + 1, logs / "prime.jsonl")
         primed = bench(prime)
         measured = bench_cmd(args, router, tokenizer, args.seed, logs / "bench.jsonl")

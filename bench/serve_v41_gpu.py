@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ROOT, run_info, write  # noqa: E402
+from serve.fleet import stop_process  # noqa: E402
 
 CHECKPOINT = Path(os.environ.get("MEGAJAX_BENCH_CKPT", "/tmp/megajax_serve_v41"))
 PORT = 30123
@@ -97,11 +97,7 @@ def serve(dtype: str, prompts: list[list[int]], log_path: Path, start_timeout: f
         outs = [post("/generate", {**body, "input_ids": ids}) for ids in prompts]
         requests_s = time.perf_counter() - t0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 60)
     lines = [ln for ln in log_path.read_text().splitlines()
              if any(k in ln for k in ("mega.", "linears:", "model dtype", "compiled programs", "loaded", "skipped"))]
     return {"ready_s": ready_s, "requests_s": requests_s, "log": lines, "kernel_paths": info["kernel_paths"],

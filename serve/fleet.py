@@ -15,13 +15,19 @@ A worker that exits is started again (the gateway's health checks take it out me
 in when it answers); the router exiting, SIGINT or SIGTERM stops everything. Each process writes to
 its own log under ``--log-dir``, and ``fleet.json`` there says which process is which (URLs, pids,
 restarts), rewritten whenever one starts.
+
+Scripts and tests start one with ``launched`` (free local ports, back once the gateway routes to
+every worker, stopped on exit).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,14 +63,20 @@ class Process:
         return self.popen is not None and self.popen.poll() is None
 
     def stop(self, timeout: float = 20) -> None:
-        if not self.alive():
-            return
-        self.popen.terminate()
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        if self.popen is not None:
+            stop_process(self.popen, timeout)
+
+
+def stop_process(popen: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a child, SIGKILL it if it is still there after ``timeout`` seconds."""
+    if popen.poll() is not None:
+        return
+    popen.terminate()
+    try:
+        popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
 
 
 def write_status(path: Path, router_url: str, workers: list[Process], urls: list[str]) -> None:
@@ -94,6 +106,61 @@ def wait_healthy(proc: Process, url: str, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{proc.name} was not healthy after {timeout:.0f} s (its log: {proc.log_path})")
         time.sleep(0.5)
+
+
+def free_ports(n: int) -> list[int]:
+    """A run of ``n`` consecutive local ports nothing listens on."""
+    for _ in range(100):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            first = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", first + i))
+            return list(range(first, first + n))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def healthy_workers(router: str) -> int:
+    """How many workers the gateway at ``router`` counts healthy (0 while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{router}/workers", timeout=2) as r:
+            return sum(w["is_healthy"] for w in json.loads(r.read())["workers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+@contextlib.contextmanager
+def launched(log_dir: Path, fleet_args: list[str], worker_args: list[str], workers: int,
+             env: dict | None = None, timeout: float = 600):
+    """``python -m serve.fleet fleet_args -- worker_args`` on free local ports, the gateway checking
+    its workers every second; yields ``(router URL, {"bootstrap": first bootstrap port})`` once it
+    routes to ``workers`` healthy ones, and stops the fleet on exit."""
+    ports = free_ports(2 + 2 * workers)   # the gateway, its metrics, bootstrap servers, workers
+    router_port, metrics_port, bootstrap, base = ports[0], ports[1], ports[2], ports[2 + workers]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve.fleet", *fleet_args, "--port", str(router_port), "--worker-base-port", str(base),
+         "--router-metrics-port", str(metrics_port), "--bootstrap-base-port", str(bootstrap), "--log-dir", str(log_dir),
+         "--router-arg=--health-check-interval-secs=1", "--router-arg=--health-check-timeout-secs=1", "--",
+         *worker_args], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, **(env or {})})
+    router = f"http://127.0.0.1:{router_port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while healthy_workers(router) < workers:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the fleet exited with code {proc.returncode}: {proc.stdout.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the fleet had no {workers} healthy workers after {timeout:.0f} s (logs: {log_dir})")
+            time.sleep(0.5)
+        yield router, {"bootstrap": bootstrap}
+    finally:
+        stop_process(proc, 60)
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

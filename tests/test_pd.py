@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from fleet import answer, call, fleet, healthy_workers, status
+from fleet import answer, call, fleet, status
 from serve.default_model import SMALL_DIR, SMALL_NAME
 from serve.engine import Engine, EngineConfig
+from serve.fleet import healthy_workers
 
 WORKER = ["--no-warmup", "--max-running", "4", "--context-length", "1024"]
 ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fleet import ROOT, answer, call, fleet, healthy_workers, status
+from fleet import ROOT, answer, call, fleet, status
 from serve.default_model import RANDOM_NAME
+from serve.fleet import healthy_workers
 
 
 def _prompt_tokens(worker: str) -> float:
