@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from mega.engram import dequantised, lookup_rows
 from model.config import ModelConfig
@@ -73,6 +73,10 @@ def split(params: dict, cfg: ModelConfig, mesh: Mesh, placement: str = "device")
         layers[i] = {**layers[i], "engram": g}
     return {**params, "layers": layers}
 
+# host compute as a function: ``compute_on2`` in JAX 0.10, named ``compute_on`` from 0.11 (whose
+# context-manager form is gone)
+_host_compute = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
+
 
 def lookup(p: dict, hash_ids: jnp.ndarray) -> jnp.ndarray:
     """``[T, cols * head_dim]`` float32 rows of an Engram layer ``p`` for ``hash_ids [T, cols]``,
@@ -88,8 +92,8 @@ def lookup(p: dict, hash_ids: jnp.ndarray) -> jnp.ndarray:
         at = jnp.where(mine, at, 0)
         if table.host:   # gathered where the block lives, dequantised on the device
             at = jax.device_put(at, jax.memory.Space.Host)
-            with compute_on("device_host"):
-                got = tab[at], sc[at]
+            got = _host_compute(lambda t, s, i: (t[i], s[i]), compute_type="device_host",
+                                out_memory_spaces=jax.memory.Space.Host)(tab, sc, at)
             rows = dequantised(*jax.device_put(got, jax.memory.Space.Device))
         else:
             rows = lookup_rows(tab, sc, at)
