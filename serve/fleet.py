@@ -139,7 +139,8 @@ def healthy_workers(router: str) -> int:
 def launched(log_dir: Path, fleet_args: list[str], worker_args: list[str], workers: int,
              env: dict | None = None, timeout: float = 600):
     """``python -m serve.fleet fleet_args -- worker_args`` on free local ports, the gateway checking
-    its workers every second; yields ``(router URL, {"bootstrap": first bootstrap port})`` once it
+    its workers every second; yields ``(router URL, {"bootstrap": first bootstrap port, "metrics": the
+    gateway's Prometheus port, "workers": the first worker's port})`` once it
     routes to ``workers`` healthy ones, and stops the fleet on exit."""
     ports = free_ports(2 + 2 * workers)   # the gateway, its metrics, bootstrap servers, workers
     router_port, metrics_port, bootstrap, base = ports[0], ports[1], ports[2], ports[2 + workers]
@@ -158,7 +159,7 @@ def launched(log_dir: Path, fleet_args: list[str], worker_args: list[str], worke
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the fleet had no {workers} healthy workers after {timeout:.0f} s (logs: {log_dir})")
             time.sleep(0.5)
-        yield router, {"bootstrap": bootstrap}
+        yield router, {"bootstrap": bootstrap, "metrics": metrics_port, "workers": base}
     finally:
         stop_process(proc, 60)
 
