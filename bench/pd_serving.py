@@ -129,19 +129,23 @@ def device() -> str:
     return f"{os.cpu_count()}-core CPU ({cpu}), {platform.platform()}, Python {platform.python_version()}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def conditions(bench_python: str) -> dict:
+    """The commit, the machine and the versions of the client, the gateway and JAX."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
-    client_sglang = subprocess.run([args.bench_python, "-c", "from importlib.metadata import version; "
-                                    "print(version('sglang'))"], capture_output=True, text=True, check=True)
+    client = subprocess.run([bench_python, "-c", "from importlib.metadata import version; print(version('sglang'))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    return {"commit": commit, "device": device(),
+            "versions": {"sglang (client)": client, "sglang-router": version("sglang-router"), "jax": version("jax")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    run = conditions(args.bench_python)
     tokenizer = tokenizer_dir(args.log_dir / "tokenizer")
     modes = {mode: run_mode(args, mode, tokenizer) for mode in MODES}
-    report = {"commit": commit, "device": device(),
-              "versions": {"sglang (client)": client_sglang.stdout.strip(), "sglang-router": version("sglang-router"),
-                           "jax": version("jax")},
-              "worker_args": args.worker_args, "notes": NOTES, "modes": modes}
-    out = args.out or ROOT / "bench" / "results" / f"pd_serving_cpu_{commit}.json"
+    report = {**run, "worker_args": args.worker_args, "notes": NOTES, "modes": modes}
+    out = args.out or ROOT / "bench" / "results" / f"pd_serving_cpu_{run['commit']}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     for mode, r in modes.items():
         print(mode, json.dumps(r["summary"]))

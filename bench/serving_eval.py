@@ -32,17 +32,15 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import urllib.request
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from pd_serving import SUMMARY, bench, device, shown, tokenizer_dir  # noqa: E402
+from pd_serving import SUMMARY, bench, conditions, shown, tokenizer_dir  # noqa: E402
 from serve.fleet import launched  # noqa: E402
 
 ROUTER_COUNTERS = re.compile(r"retr|error|fail|429|reject", re.I)
@@ -134,10 +132,7 @@ def _groups(points: list[dict]) -> dict[str, list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
-    client_version = subprocess.run([args.bench_python, "-c", "from importlib.metadata import version; "
-                                     "print(version('sglang'))"], capture_output=True, text=True, check=True)
+    run = conditions(args.bench_python)
     rates = [float(x) for x in args.rates.split(",")]
     hits = [float(x) for x in args.hit_rates.split(",")]
     lengths = [tuple(int(v) for v in pair.split(":")) for pair in args.lengths.split(",")]
@@ -177,11 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{n_in}:{n_out} hit {hit:g} (served {points[-1]['served_cached_share']:.2f}) at {rate:g}/s: "
                           f"TTFT p50 {s['median_ttft_ms']:.0f} p99 {s['p99_ttft_ms']:.0f} ms, ITL p50 "
                           f"{s['median_itl_ms']:.0f} p99 {s['p99_itl_ms']:.0f} ms, lost {points[-1]['lost']}", flush=True)
-    out = args.out or ROOT / "bench" / "results" / f"serving_eval_cpu_{commit}.json"
-    report = {"commit": commit, "device": device(), "backend": args.backend, "worker_args": args.worker_args,
+    out = args.out or ROOT / "bench" / "results" / f"serving_eval_cpu_{run['commit']}.json"
+    report = {**run, "backend": args.backend, "worker_args": args.worker_args,
               "num_prompts": args.num_prompts, "prompts_per_group": args.prompts_per_group,
-              "versions": {"sglang (client)": client_version.stdout.strip(), "sglang-router": version("sglang-router"),
-                           "jax": version("jax")},
               "measurement_window": "each point: bench_serving's run from its first request to its last answer "
                                     "(summary 'duration'), after an unmeasured pass per dataset",
               "points": points}
