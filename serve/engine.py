@@ -411,7 +411,7 @@ class Engine:
         ``{"choices": [...]}`` for ``n`` > 1 (``progress``: a bar counting samples)."""
         rids, done = [r for h in handles for r in h.rids], 0
         while self.has_work:
-            self.step()
+            self._step_or_wait()
             if progress is not None:
                 finished = sum(self._requests[r].finished for r in rids)
                 progress.update(finished - done)
@@ -532,8 +532,9 @@ class Engine:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> None:
-        """One iteration: plan and dispatch a step, then process a finished one."""
+    def step(self) -> bool:
+        """One iteration: plan and dispatch a step, then process a finished one. False when there was
+        nothing to do (every waiting request waits on something else: a prefetch, a transfer)."""
         t0 = time.perf_counter()
         with self._lock:
             if self.balancer is not None and self.balancer.due(self.stats.steps):
@@ -554,10 +555,18 @@ class Engine:
                 chunks = self.scheduler.schedule()
             if chunks:
                 self._pending.append((chunks, self._dispatch(chunks)))
+        busy = bool(chunks or self._pending)
         if self._pending and (not self.config.overlap or len(self._pending) > 1 or not chunks):
             self._finish_pending(t0)
         else:
             self.stats.host_s += time.perf_counter() - t0
+        return busy
+
+    def _step_or_wait(self) -> None:
+        """A step, or a millisecond's sleep when there was nothing to do: a loop that spun instead would
+        hold the GIL against the threads it waits for (storage reads, transfers)."""
+        if not self.step():
+            time.sleep(0.001)
 
     def _rebalance(self) -> None:
         """EPLB: the experts re-placed for the load the steps counted (the same outputs)."""
@@ -587,7 +596,7 @@ class Engine:
 
     def run_until_idle(self) -> None:
         while self.has_work:
-            self.step()
+            self._step_or_wait()
         self._reap()
 
     def _reap(self) -> None:
@@ -815,7 +824,7 @@ class Engine:
             while not self._stop.is_set():
                 try:
                     if self.has_work:
-                        self.step()
+                        self._step_or_wait()
                     else:
                         time.sleep(0.001)
                 except Exception as e:  # noqa: BLE001 - fail the requests, not silently hang them
