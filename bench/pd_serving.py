@@ -59,8 +59,7 @@ NOTES = [
     "(--tokenize-prompt, which would send the ids, takes the list prompts for multi-turn in sglang 0.5.8.)",
     "bench_serving's warm-up request is the measured run's first prompt, so that one is a prefix-cache hit.",
     "The fleet is serve.fleet.launched's: the gateway's default policy (cache_aware) and health checks every second "
-    "with a 1 s timeout (a worker busy compiling in the priming pass can miss it, and the gateway then "
-    "fails a request: priming_completed); HF_HUB_OFFLINE=1 keeps the client from looking the model name up on the hub.",
+    "with a 5 s timeout; HF_HUB_OFFLINE=1 keeps the client from looking the model name up on the hub.",
 ]
 
 

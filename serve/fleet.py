@@ -139,7 +139,8 @@ def healthy_workers(router: str) -> int:
 def launched(log_dir: Path, fleet_args: list[str], worker_args: list[str], workers: int,
              env: dict | None = None, timeout: float = 600):
     """``python -m serve.fleet fleet_args -- worker_args`` on free local ports, the gateway checking
-    its workers every second; yields ``(router URL, {"bootstrap": first bootstrap port, "metrics": the
+    its workers every second (allowing 5 s for an answer: a CPU worker compiling a program on first
+    use can hold its event loop that long; a dead one refuses at once); yields ``(router URL, {"bootstrap": first bootstrap port, "metrics": the
     gateway's Prometheus port, "workers": the first worker's port})`` once it
     routes to ``workers`` healthy ones, and stops the fleet on exit."""
     ports = free_ports(2 + 2 * workers)   # the gateway, its metrics, bootstrap servers, workers
@@ -147,7 +148,7 @@ def launched(log_dir: Path, fleet_args: list[str], worker_args: list[str], worke
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve.fleet", *fleet_args, "--port", str(router_port), "--worker-base-port", str(base),
          "--router-metrics-port", str(metrics_port), "--bootstrap-base-port", str(bootstrap), "--log-dir", str(log_dir),
-         "--router-arg=--health-check-interval-secs=1", "--router-arg=--health-check-timeout-secs=1", "--",
+         "--router-arg=--health-check-interval-secs=1", "--router-arg=--health-check-timeout-secs=5", "--",
          *worker_args], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env={**os.environ, **(env or {})})
     router = f"http://127.0.0.1:{router_port}"
