@@ -10,16 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 _tokenizer = None
 
 
-def _load(path: str) -> None:
+def _load(path: str, parent: int) -> None:
     global _tokenizer
     from tokenizers import Tokenizer
 
     _tokenizer = Tokenizer.from_file(path)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker once the server that spawned it is gone (killed, it could not shut the pool
+    down, and the worker would wait on its queue forever)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _encode(text: str) -> list[int]:
@@ -37,7 +49,7 @@ class TokenizerProcess:
         """Spawn the worker now and load its tokenizer (at server start, not at a client's request)."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_load, initargs=(self.file,))
+                                             initializer=_load, initargs=(self.file, os.getpid()))
             self._pool.submit(_encode, "").result()
 
     async def encode(self, text: str) -> list[int]:
