@@ -73,6 +73,7 @@ def split(params: dict, cfg: ModelConfig, mesh: Mesh, placement: str = "device")
         layers[i] = {**layers[i], "engram": g}
     return {**params, "layers": layers}
 
+
 # host compute as a function: ``compute_on2`` in JAX 0.10, named ``compute_on`` from 0.11 (whose
 # context-manager form is gone)
 _host_compute = getattr(_compute_on, "compute_on2", _compute_on.compute_on)
