@@ -3,9 +3,12 @@
 Model: ``bench/engine_gpu.py``'s V4.1-Flash-width slice (4 layers, 16 routed experts) with its
 DSpark draft (one draft layer at these widths, 16 experts, top-3), random bf16 weights,
 written as a checkpoint and loaded through ``Engine.from_model_dir`` as ``python -m serve
---model DIR --speculative-algorithm DSPARK`` loads it. Per batch size B: B prompts of 128
+--model DIR --speculative-algorithm DSPARK`` loads it, once per mode (a process of its own, its slots
+the largest batch size; each size compiles its own decode programs). Per batch size B: B prompts of 128
 tokens, greedy, ``ignore_eos``; a 1-token pass (the prefill) and a 49-token pass, each run
-once to compile and then timed; a step's time is (decode pass - prefill pass) / its steps.
+once to compile and then timed, then once more under the profiler; a step's time is (decode pass -
+prefill pass) / its steps, and ``step_breakdown`` the same difference of the traced passes: host
+time, waits and GPU time by kernel, per step.
 
 * ``plain``: one token a request a step;
 * ``dspark``: 3 drafts a step, fixed verification of the whole block, and the seed's accept
@@ -25,6 +28,7 @@ the device's bandwidth; the decode of this slice is bound by them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,14 +37,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu import config  # noqa: E402
-from gpu_common import ceilings, run_info, write  # noqa: E402
+from engine_gpu import config, decode_step, pass_totals  # noqa: E402
+from gpu_common import ceilings, run_info, traced_events, write  # noqa: E402
 
 CKPT = Path(os.environ.get("MEGAJAX_BENCH_CKPT", "/tmp/megajax_dspark_gpu"))
 NEW_TOKENS = 49
 
 
 def write_checkpoint(smoke: bool) -> int:
+    """Writes the checkpoint unless an earlier run on this machine did; its size in bytes."""
     import jax.numpy as jnp
 
     from checkpoints.export import save_checkpoint
@@ -48,13 +53,17 @@ def write_checkpoint(smoke: bool) -> int:
     from checkpoints.init import init_params
 
     cfg = config(smoke)
+    written = sorted(CKPT.glob("*.safetensors"))
+    if (CKPT / "config.json").exists() and written and {k: v for k, v in json.loads((CKPT / "config.json").read_text()).items()
+                                                     if k in cfg.to_dict()} == json.loads(json.dumps(cfg.to_dict())):
+        return sum(f.stat().st_size for f in written)
     files = save_checkpoint(init_params(cfg, seed=0, dtype=jnp.bfloat16, draft=True), cfg, CKPT, BF16)
     return sum(f.stat().st_size for f in files)
 
 
-def run(mode: str, batch: int, smoke: bool) -> dict:
-    import numpy as np
-
+def run(mode: str, batches: list[int], smoke: bool):
+    """One engine of ``max(batches)`` slots (loaded and compiled once for the mode); yields each
+    batch size's result."""
     from serve.engine import Engine, EngineConfig
 
     spec = dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=3, speculative_fixed_verify=True,
@@ -62,12 +71,19 @@ def run(mode: str, batch: int, smoke: bool) -> dict:
     if mode == "dspark_sync":
         spec["overlap"] = False
     t0 = time.perf_counter()
-    engine = Engine.from_model_dir(CKPT, EngineConfig(max_running=batch, max_len=256, prefill_budget=4096,
+    engine = Engine.from_model_dir(CKPT, EngineConfig(max_running=max(batches), max_len=256, prefill_budget=4096,
                                                       prefix_cache=False, dtype="bfloat16", **spec))
     init_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
+    for batch in batches:
+        yield batch, {"init_s": init_s, "max_running": max(batches), **measure(engine, mode, batch, spec, smoke)}
+
+
+def measure(engine, mode: str, batch: int, spec: dict, smoke: bool) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(batch)
     prompts = [rng.integers(3, 129000, size=8 if smoke else 128).tolist() for _ in range(batch)]
-    out = {"init_s": init_s, "kernel_paths": engine.kernel_paths}
+    out, traced = {"kernel_paths": engine.kernel_paths}, {}
     for name, new in (("prefill", 1), ("decode", NEW_TOKENS)):
         sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
         t0 = time.perf_counter()
@@ -79,6 +95,11 @@ def run(mode: str, batch: int, smoke: bool) -> dict:
         out[name] = {"first_s": first, "s": time.perf_counter() - t0, "steps": engine.stats.steps - steps0,
                      "tokens": sum(len(r["output_ids"]) for r in res), "verifies": engine.stats.verifies - v0,
                      "accepted": engine.stats.accepted - a0}
+        # the same pass again under the profiler: where a step's time goes, kernel by kernel
+        before = dataclasses.replace(engine.stats)
+        events = traced_events(lambda: engine.generate(prompts, sp, decode_text=False))
+        traced[name] = {**pass_totals(before, engine.stats, *events), "wall_s": out[name]["s"]}
+    out["step_breakdown"] = decode_step(traced["prefill"], traced["decode"])
     pre, dec = out["prefill"], out["decode"]
     steps = dec["steps"] - pre["steps"]
     out["step_ms"] = (dec["s"] - pre["s"]) / steps * 1e3
@@ -125,11 +146,14 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--batches", default="8,32,128,256")
     ap.add_argument("--modes", default="plain,dspark")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)   # mode, batch: one run in this process
-    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--child", help=argparse.SUPPRESS)   # a mode: its runs in this process
+    ap.add_argument("--timeout", type=int, default=480, help="seconds per mode (all its batch sizes)")
+    ap.add_argument("--name", default="dspark_gpu", help="JSON file name under $OUT")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     if args.child:
-        print("RESULT " + json.dumps(run(args.child[0], int(args.child[1]), args.smoke)), flush=True)
+        for b, got in run(args.child, batches, args.smoke):
+            print("RESULT " + json.dumps({"batch": b, **got}), flush=True)
         return
     os.environ.setdefault("MEGAJAX_KERNELS", "reference" if args.smoke else "pallas")
     child_env = dict(os.environ)
@@ -138,19 +162,22 @@ def main():
     ceil = ceilings(args.smoke)
     payload = {**run_info(), "ceilings": ceil, "checkpoint_bytes": size, "new_tokens": NEW_TOKENS,
                "prompt_tokens": 128, "roofline_step_ms": size / (ceil["bandwidth_GBps"] * 1e9) * 1e3, "runs": {}}
-    for b in map(int, args.batches.split(",")):
-        for mode in args.modes.split(","):
-            cmd = [sys.executable, __file__, "--child", mode, str(b)] + (["--smoke"] if args.smoke else [])
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
-                lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-                got = json.loads(lines[-1][7:]) if lines else {"error": p.stderr[-2000:]}
-            except subprocess.TimeoutExpired:
-                got = {"error": f"timed out after {args.timeout} s"}
-            payload["runs"][f"{mode}_{b}"] = got
-            print(mode, b, {k: got.get(k) for k in ("step_ms", "decode_tokens_per_s", "accept_length", "error")},
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--child", mode, "--batches", args.batches] + ["--smoke"] * args.smoke
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
+            stdout, failed = p.stdout, p.returncode and p.stderr[-2000:]
+        except subprocess.TimeoutExpired as e:
+            stdout, failed = (e.stdout or b"").decode(), f"timed out after {args.timeout} s"
+        done = [json.loads(x[len("RESULT "):]) for x in stdout.splitlines() if x.startswith("RESULT ")]
+        for got in done:
+            payload["runs"][f"{mode}_{got['batch']}"] = got
+            print(mode, got["batch"], {k: got.get(k) for k in ("step_ms", "decode_tokens_per_s", "accept_length")},
                   flush=True)
-            write("dspark_gpu", payload)
+        if failed:
+            payload["runs"][f"{mode}_error"] = failed
+            print(mode, "FAILED after", [g["batch"] for g in done], failed[-1500:], flush=True)
+        write(args.name, payload)
 
 
 if __name__ == "__main__":
