@@ -12,9 +12,16 @@ lists each offending tensor by name.
 Tensors are read one at a time from the shards' memory maps (``checkpoints.safetensors_io``),
 placed on the device and converted there (fp8 linears dequantised to the model dtype, MXFP4
 experts into the kernels' ``Fp4Weight``), so host memory holds about one tensor, not the model.
+
+Over a mesh (``placement``: each parameter's sharding) a process reads only what its own devices
+hold: of a routed expert stack, the experts in its devices' slices of the expert axis (each read
+once, converted on one of the devices that hold it and copied to the others); every other tensor
+whole, sliced per device as its sharding says. Each parameter is then one global array assembled
+from the process's pieces, so several processes under ``jax.distributed`` each read their part.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +29,7 @@ import queue
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +45,15 @@ VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
 log = logging.getLogger("megajax")
 
 
+Placement = Callable[[ParamSpec], jax.sharding.Sharding]
+
+
 def load_params(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: Any = jnp.float32,
-                progress: bool = False) -> dict:
+                progress: bool = False, placement: Placement | None = None) -> dict:
     """The param pytree of ``model_dir`` (config read from it unless given) in the model dtype
     ``dtype`` (mHC, sinks and router biases stay fp32; quantised experts and Engram tables stay
-    quantised). ``progress``: a progress bar of tensors and bytes on stderr."""
+    quantised). ``progress``: a progress bar of tensors and bytes on stderr. ``placement``: each
+    parameter's sharding, read by shard (module docstring); None: whole, on the default device."""
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_json(model_dir)
     config = model_dir / "config.json"
@@ -52,37 +63,83 @@ def load_params(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: An
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
     with shards:
-        return load_tensors(shards, cfg, fmt, dtype, progress, str(model_dir))
+        return load_tensors(shards, cfg, fmt, dtype, progress, str(model_dir), placement)
 
 
 def load_tensors(source, cfg: ModelConfig, fmt: CheckpointFormat, dtype: Any = jnp.float32,
-                 progress: bool = False, where: str = "checkpoint") -> dict:
+                 progress: bool = False, where: str = "checkpoint", placement: Placement | None = None) -> dict:
     """The param pytree from ``source``: ``tensors`` (name -> ``TensorInfo``) and ``read(name)``
     (a host array), as ``Shards`` has; the exporter's in-memory copy passes its own."""
     from tqdm import tqdm
 
     plan = _plan(cfg, fmt, source.tensors, where)
+    pieces = [(spec, _pieces(spec, tensors, None if placement is None else placement(spec))) for spec, tensors in plan]
     info = source.tensors
-    total = sum(info[n].nbytes + (info[scale_name(n)].nbytes if k in ("fp8", "mxfp4") else 0)
-                for _, tensors in plan for n, k in tensors)
-    leaves = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {sum(len(t) for _, t in plan)} tensors",
+    names = [m for _, ps in pieces for p in ps for n, k in p.tensors
+             for m in ((n, scale_name(n)) if k in ("fp8", "mxfp4") else (n,))]
+    with tqdm(total=sum(info[n].nbytes for n in names), unit="B", unit_scale=True,
+              desc=f"loading {sum(len(p.tensors) for _, ps in pieces for p in ps)} tensors",
               disable=not progress, leave=False) as bar:
-        names = [m for _, tensors in plan for n, k in tensors
-                 for m in ((n, scale_name(n)) if k in ("fp8", "mxfp4") else (n,))]
         arrays = _read_ahead(source, names)
         try:
-            for spec, tensors in plan:
-                parts = []
-                for name, kind in tensors:
-                    w = jnp.asarray(next(arrays))
-                    s = jnp.asarray(next(arrays)) if kind in ("fp8", "mxfp4") else None
-                    parts.append(fmt.decode(spec, kind, w, s, dtype))
-                    bar.update(w.nbytes + (0 if s is None else s.nbytes))
-                leaves[spec.path] = jax.tree.map(lambda *xs: jnp.stack(xs), *parts) if spec.stacked else parts[0]
+            leaves = {}
+            for spec, ps in pieces:
+                local = []
+                for piece in ps:
+                    parts = []
+                    with jax.default_device(piece.devices[0]) if piece.devices else contextlib.nullcontext():
+                        for name, kind in piece.tensors:
+                            w = jnp.asarray(next(arrays))
+                            s = jnp.asarray(next(arrays)) if kind in ("fp8", "mxfp4") else None
+                            parts.append(fmt.decode(spec, kind, w, s, dtype))
+                            bar.update(w.nbytes + (0 if s is None else s.nbytes))
+                    local.append(jax.tree.map(lambda *xs: jnp.stack(xs), *parts) if spec.stacked else parts[0])
+                leaves[spec.path] = local[0] if placement is None else _assemble(spec, ps, local, placement(spec))
         finally:
             arrays.close()   # the reader stops before the caller closes the source
     return build_tree(cfg, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Tensors of one parameter read together: a slice ``rows`` of an expert stack (all of it
+    unstacked), converted on ``devices[0]`` and held by ``devices`` (none: the default device)."""
+    tensors: list[tuple[str, str]]
+    rows: slice
+    devices: tuple = ()
+
+
+def _pieces(spec: ParamSpec, tensors: list[tuple[str, str]], sharding) -> list[_Piece]:
+    """What this process reads of ``spec``: whole, or under ``sharding`` the expert slices its
+    devices hold, each once."""
+    whole = slice(0, len(tensors))
+    if sharding is None:
+        return [_Piece(tensors, whole)]
+    if not spec.stacked:
+        return [_Piece(tensors, whole, tuple(sharding.addressable_devices))]
+    held: dict[tuple[int, int], list] = {}
+    for device, index in sharding.addressable_devices_indices_map((len(tensors),)).items():
+        rows = index[0].indices(len(tensors))[:2]
+        held.setdefault(rows, []).append(device)
+    return [_Piece(tensors[a:b], slice(a, b), tuple(devs)) for (a, b), devs in sorted(held.items())]
+
+
+def _assemble(spec: ParamSpec, pieces: list[_Piece], local: list, sharding) -> Any:
+    """One global array per leaf from this process's ``local`` pieces (each leaf's first axis is
+    the expert axis of a stacked ``spec``): every addressable device gets its index of it."""
+    def leaf(*arrays):
+        n = len(spec.names)
+        shape = (n, *arrays[0].shape[1:]) if spec.stacked else arrays[0].shape
+        shards = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            at = next(i for i, p in enumerate(pieces) if device in p.devices)
+            if spec.stacked:   # the index's expert rows, relative to the piece's first
+                start = pieces[at].rows.start
+                first = index[0].indices(n)
+                index = (slice(first[0] - start, first[1] - start), *index[1:])
+            shards.append(jax.device_put(arrays[at][index], device))
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return jax.tree.map(leaf, *local)
 
 
 def _read_ahead(source, names: list[str]):

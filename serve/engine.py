@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from model.batch import Batch
 from model.config import ModelConfig
@@ -47,7 +48,7 @@ from serve.speculative import SpecInput
 from serve.sampling import InvalidSamplingParam, SampleOutput, SamplingArrays, SamplingParams, min_tokens_banned
 from serve.scheduler import Chunk, Scheduler
 from sharding.mesh import MeshSpec
-from sharding.specs import shard_params
+from sharding.specs import param_placement, shard_params
 
 THINK_END_ID = 128822  # `</think>` in the DeepSeek-V4 tokenizer (MODEL_SPEC §10)
 
@@ -148,6 +149,13 @@ class EngineConfig:
     def mesh_spec(self) -> MeshSpec:
         return MeshSpec(self.dp_size, self.ep_size)
 
+    def mesh(self) -> Mesh | None:
+        """The mesh the weights and state are split over: several devices, or with the Engram
+        tables in host memory a 1 x 1 mesh; None: one device, arrays as they are."""
+        if self.mesh_spec.size == 1 and self.engram_placement == "device":
+            return None
+        return self.mesh_spec.build(None if self.mesh_spec.size > 1 else jax.devices()[:1])
+
 
 def _penalised(p: SamplingParams) -> bool:
     """Whether ``p`` has penalties, which count earlier outputs: such a request decodes one token a
@@ -176,9 +184,8 @@ class Engine:
                                                                                  expert_routing="balanced"))
         # over several devices (or with the Engram tables in host memory: a 1 x 1 mesh) the weights
         # are placed once, split by sharding.specs, for the steps and the scorer
-        self.mesh = None
-        if config.mesh_spec.size > 1 or config.engram_placement != "device":
-            self.mesh = config.mesh_spec.build(None if config.mesh_spec.size > 1 else jax.devices()[:1])
+        self.mesh = config.mesh()
+        if self.mesh is not None:
             self.model = dataclasses.replace(self.model, params=shard_params(self.model.params, self.model.cfg,
                                                                               self.mesh, config.engram_placement))
         self.balancer = None
@@ -258,7 +265,9 @@ class Engine:
                        progress: bool = False) -> "Engine":
         """An engine on the checkpoint in ``model_dir``, loaded in ``config``'s model dtype
         (``progress``: a loading bar on stderr)."""
-        model = LoadedModel.from_model_dir(model_dir, config.dtype, progress=progress)
+        mesh = config.mesh()   # (read by shard: each process its devices' part)
+        model = LoadedModel.from_model_dir(model_dir, config.dtype, progress=progress,
+                                           placement=None if mesh is None else param_placement(mesh))
         return cls(model.params, model.cfg, config)
 
     # ------------------------------------------------------------------ the door

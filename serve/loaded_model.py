@@ -62,10 +62,12 @@ class LoadedModel:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: str = "auto", quantization: str = "none",
-                       progress: bool = False) -> "LoadedModel":
+                       progress: bool = False, placement=None) -> "LoadedModel":
         """The checkpoint in ``model_dir`` (either release format, or plain floats), read in
-        ``dtype`` (``progress``: a loading bar on stderr)."""
+        ``dtype`` (``progress``: a loading bar on stderr; ``placement``: read by shard, as
+        ``checkpoints.hf.load_params`` says)."""
         from checkpoints.hf import load_params
 
         cfg = ModelConfig.from_json(model_dir)
-        return cls.prepare(load_params(model_dir, cfg, model_dtype(dtype), progress), cfg, dtype, quantization)
+        return cls.prepare(load_params(model_dir, cfg, model_dtype(dtype), progress, placement), cfg, dtype,
+                           quantization)

@@ -67,7 +67,8 @@ def split(params: dict, cfg: ModelConfig, mesh: Mesh, placement: str = "device")
     for i in cfg.engram_layer_ids:
         g = dict(layers[i]["engram"])
         for k in PARTS:
-            a = np.asarray(g[k])   # padded on the host: each device receives only its block
+            a = g[k]   # padded on the host (this process's copy of it whole): each device receives only its block
+            a = np.asarray(a.addressable_data(0) if isinstance(a, jax.Array) and a.is_fully_replicated else a)
             a = np.pad(a, ((0, -a.shape[0] % mesh.size),) + ((0, 0),) * (a.ndim - 1))
             g[k] = SplitRows(jax.device_put(a, where), mesh, host)
         layers[i] = {**layers[i], "engram": g}

@@ -18,18 +18,28 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
-from model.params import build_tree, param_specs
+from model.params import ParamSpec, build_tree, param_specs
 from sharding import engram_tables
 from sharding.mesh import DATA, EXPERT
 
 S = TypeVar("S")
 
 
+def param_spec_partition(spec: ParamSpec) -> P:
+    """The rule: a routed expert stack split over ``expert``, every other parameter whole."""
+    return P(EXPERT) if spec.role == "expert" else P()
+
+
+def param_placement(mesh: Mesh):
+    """Each parameter's sharding on ``mesh``, as ``checkpoints.hf.load_params`` reads by it (the
+    Engram tables whole: ``shard_params`` splits them)."""
+    return lambda spec: NamedSharding(mesh, param_spec_partition(spec))
+
+
 def param_partition(cfg: ModelConfig, params: dict) -> dict:
     """A ``PartitionSpec`` for every array leaf of ``params`` (the tree ``param_specs`` describes,
     with or without the draft, quantised or not)."""
-    by_path = build_tree(cfg, {s.path: P(EXPERT) if s.role == "expert" else P()
-                               for s in param_specs(cfg, draft="mtp" in params)})
+    by_path = build_tree(cfg, {s.path: param_spec_partition(s) for s in param_specs(cfg, draft="mtp" in params)})
     # a leaf of ``by_path`` may stand for a subtree of ``params`` (a quantised weight's arrays)
     return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), by_path, params)
 
