@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from serve.cli_args import add_engine, add_model, engine_config
+from serve.cli_args import add_distributed, add_engine, add_model, engine_config, init_distributed
 from serve.disaggregation.config import BACKENDS, MODES
 
 
@@ -30,9 +30,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="the prefill server's bootstrap server (decode: the port a router leaves null)")
     g.add_argument("--disaggregation-transfer-backend", default="jax-transfer", choices=BACKENDS)
     add_engine(ap)
+    add_distributed(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("megajax")
+    try:
+        if args.nnodes > 1:
+            from serve.multiprocess import check_supported
+
+            check_supported(args)
+        init_distributed(args)   # before anything, the imports below included, starts JAX's backend
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from aiohttp import web
     from tqdm import tqdm
@@ -51,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.nnodes > 1:   # one engine over every process's devices: process 0 serves, the others follow it
+        from serve.multiprocess import channel_address
+
+        if args.node_rank > 0:
+            engine.follow(channel_address(args.dist_init_addr))
+            return 0
+        engine.lead(channel_address(args.dist_init_addr), args.nnodes - 1)
     if not args.no_warmup:
         with tqdm(total=len(engine.warmup_steps()), desc="compiling buckets", file=sys.stderr) as bar:
             engine.warmup(bar)

@@ -61,6 +61,7 @@ def init_distributed(args: argparse.Namespace) -> None:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's address)")
     import jax
 
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # a CPU mesh across processes needs it
     jax.distributed.initialize(args.dist_init_addr, args.nnodes, args.node_rank)
 
 

@@ -872,7 +872,23 @@ class Engine:
 
     def last_logits(self, sequences: list[list[int]], batch_size: int = 8) -> np.ndarray:
         """``[len(sequences), V]`` next-token logits after each whole sequence (``/v1/score``)."""
+        if self.runner.broadcast is not None:
+            raise RequestError("scoring is not served across processes (--nnodes > 1) yet")
         return self.scorer.last_logits(sequences, batch_size)
+
+    # ------------------------------------------------------------------ several processes (serve.multiprocess)
+    def lead(self, address: tuple[str, int], followers: int) -> None:
+        """Process 0 of several: wait for the followers to connect to ``address``; from then on
+        each step's input goes to them before it is dispatched."""
+        from serve.multiprocess import StepBroadcast
+
+        self.runner.broadcast = StepBroadcast(address, followers)
+
+    def follow(self, address: tuple[str, int]) -> int:
+        """Another process: dispatch process 0's steps until it stops; the steps followed."""
+        from serve.multiprocess import follow
+
+        return follow(self.runner, address)
 
     def program_info(self) -> dict:
         """The compiled-program budget and cache counters (serve/programs.py)."""
@@ -899,5 +915,5 @@ class Engine:
                 progress.update(1)
         if self.hicache is not None:
             self.hicache.warmup(self.runner.pages_per_request)
-        np.asarray(self.runner.state.last_token)
+        jax.block_until_ready(self.runner.state)
         return len(steps)

@@ -83,8 +83,10 @@ def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization:
         if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host":
             h.update(repr((leaf.shape, leaf.dtype.name)).encode())
             continue
-        head = leaf[(0,) * (leaf.ndim - 1)][:64] if leaf.ndim else leaf
-        h.update(np.asarray(head).tobytes())
+        # read from the first device's shard, which holds the tensor's first row (split tensors are
+        # split on their first axis): no program over the mesh, which other processes would have to join
+        local = leaf.addressable_shards[0].data if isinstance(leaf, jax.Array) else leaf
+        h.update(np.asarray(local[(0,) * (local.ndim - 1)][:64] if local.ndim else local).tobytes())
     return h.digest()
 
 

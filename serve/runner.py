@@ -257,7 +257,8 @@ def _sample(state: DeviceState, logits, slots_in, sampling: SamplingArrays, ban,
     live = jnp.where(slots_in >= 0, slots_in, state.model.batch_size)
     counts = state.counts.at[live, out.tokens].add(1, mode="drop")
     last = state.last_token.at[live].set(out.tokens, mode="drop")
-    return constrain_state(state._replace(counts=counts, last_token=last)), out.packed()
+    # the samples whole on every device: each process can read them (several processes: process 0 does)
+    return constrain_state(state._replace(counts=counts, last_token=last)), constrain_replicated(out.packed())
 
 
 def _finish(params, state: DeviceState, out, slots, sampling, ban, engram_map, verify: Verify | None, *,
@@ -319,6 +320,7 @@ class ModelRunner:
         dispatch expert-parallel. ``count_experts``: the steps count the experts' routed pairs (EPLB)."""
         self.params, self.cfg, self.engram_map, self.mesh = params, cfg, engram_map, mesh
         self.buckets, self.replay_keep, self.num_top, self.spec = buckets, replay_keep, num_top, spec
+        self.broadcast = None   # process 0 of several: its steps' inputs go to the others first
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
         model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8,
@@ -347,6 +349,8 @@ class ModelRunner:
     def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
         """Dispatch one step; returns its samples as ``SampleOutput.packed`` rows on the device,
         without waiting for them."""
+        if self.broadcast is not None:   # the other processes of the mesh dispatch it too (serve.multiprocess)
+            self.broadcast.send(self, inp, replay_rows)
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return self._step(inp, replay_rows)
 
@@ -410,6 +414,6 @@ class ModelRunner:
             Batch(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), np.zeros(tokens, np.int32)),
             np.zeros(tokens, bool), np.zeros(tokens, bool), np.zeros(s, np.int32), np.full(s, -1, np.int32),
             SamplingArrays.build([], [], s), self.no_ban(s),
-            np.asarray(self.state.model.page_table),
+            np.zeros(self.state.model.page_table.shape, np.int32),   # (an empty engine's page table)
             SlotReset(np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32),
                       np.zeros((b, n_hist), np.int32)), spec)

@@ -463,7 +463,10 @@ class Server:
         item_first = typed(body, "item_first", bool, False)
         seqs = [(t + query) if item_first else (query + t) for t in [await self._tokens(it, "items") for it in items]]
         require(all(len(s) < self.engine.config.max_len for s in seqs), "an item is longer than the context", "items")
-        logits = await asyncio.get_running_loop().run_in_executor(None, self.engine.last_logits, seqs)
+        try:
+            logits = await asyncio.get_running_loop().run_in_executor(None, self.engine.last_logits, seqs)
+        except RequestError as e:
+            raise ApiError(e.status, e.message, e.param) from None
         picked = logits[:, labels]
         if typed(body, "apply_softmax", bool, False):  # normalise over the labels only
             picked = np.exp(picked - picked.max(-1, keepdims=True))
