@@ -11,9 +11,10 @@ The channel: each follower connects to process 0 at the ``--dist-init-addr`` hos
 reads each step as a small JSON header (replay rows, whether a ban is sent) and the input's arrays
 in NumPy's format (no pickles: nothing on the wire is code), rebuilt in ``StepInput``'s structure;
 the usual all-allowed ban is not sent (each process has it on its devices). The followers exit
-when process 0 closes the channel (at its exit, before JAX's shutdown barrier, which every process must reach).
-Other device work of one process (the hierarchical cache's copies, disaggregation, EPLB moves, the
-scorer) would need its own message; those features refuse ``--nnodes`` > 1 for now.
+when process 0 closes the channel (at its exit, before JAX's shutdown barrier, which every
+process must reach). Other device work of one process (the hierarchical cache's copies,
+disaggregation, EPLB moves, the scorer) would need its own message; those features refuse
+``--nnodes`` > 1 for now.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import logging
 import socket
 import struct
 import time
-
 from typing import TYPE_CHECKING
 
 import jax
