@@ -5,7 +5,7 @@ Two local processes under ``jax.distributed``, one CPU device each, experts spli
 tokens for concurrent requests equal a one-device engine's on the same checkpoint and flags;
 what is not served across processes yet is refused in the error envelope or at start; stopping
 process 0 stops both. (One device a process: with four CPU devices each, XLA's gloo collectives
-deadlocked inside a step in two of three tries on this machine, both processes waiting in it.)
+deadlocked in four of five tries on this machine, both processes waiting in the same program.)
 """
 from __future__ import annotations
 
