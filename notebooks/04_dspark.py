@@ -47,21 +47,22 @@ cfg, params = model.cfg, model.params
 print(SMALL_NAME, f"draft block {cfg.dspark_block_size}")
 stdlib = Path(sysconfig.get_paths()["stdlib"])
 unseen = [p for p in source_files(stdlib) if held_out(p.relative_to(stdlib).as_posix())]
-PROMPTS = [p.read_text(errors="replace")[:400] for p in unseen[:4]]
-NEW = 24
+PROMPTS = [p.read_text(errors="replace") for p in unseen[:4]]
+PROMPT_TOKENS, NEW = 64, 24
 
 
 def accept(engine, temperature):
     v0, a0 = engine.stats.verifies, engine.stats.accepted
-    engine.generate(PROMPTS, {"max_new_tokens": NEW, "temperature": temperature, "seed": 1, "ignore_eos": True},
+    prompt_ids = [engine.encode(p)[:PROMPT_TOKENS] for p in PROMPTS]
+    engine.generate(prompt_ids, {"max_new_tokens": NEW, "temperature": temperature, "seed": 1, "ignore_eos": True},
                     decode_text=False)
     return (engine.stats.accepted - a0) / max(engine.stats.verifies - v0, 1)
 
 
 def engine(drafts, p=params):
-    # small steps and no prefix cache (so no replay programs): fewer, smaller programs to compile
-    return Engine(p, cfg, EngineConfig(max_running=len(PROMPTS), max_len=256, prefill_budget=256, prefix_cache=False,
-                                       decoder_replay="off", speculative_algorithm="DSPARK",
+    # every prompt prefilled in one step, no prefix cache (so no replay programs): few programs to compile
+    return Engine(p, cfg, EngineConfig(max_running=len(PROMPTS), max_len=128, prefill_budget=len(PROMPTS) * PROMPT_TOKENS,
+                                       prefix_cache=False, decoder_replay="off", speculative_algorithm="DSPARK",
                                        speculative_num_draft_tokens=drafts))
 
 

@@ -16,6 +16,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The suite's time is XLA compiling the tiny models' step programs; LLVM's optimisation passes
+# are a third of each compile and buy nothing at these sizes (no fast-math: same floats).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 # A fresh persistent compilation cache per test session: tests never read executables that
 # other runs or other JAX builds left in ~/.cache, and the many engines the tests build (each
 # jitting its own step closures) share the executables of identical programs.
@@ -137,6 +142,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("golden parity (max / median |logit diff|)")
         for key in sorted(REPORT):
             terminalreporter.write_line(f"{key}: {REPORT[key]}")
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+    """The environment of a child process with ``devices`` CPU devices (the suite's flags kept)."""
+    return {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu"}
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from conftest import GOLDEN, free_port
+from conftest import GOLDEN, cpu_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GOLDEN / "v41_tiny"
@@ -45,7 +43,7 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def pair():
     port, addr = free_port(), f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(1)
     procs = [subprocess.Popen([sys.executable, "-m", "serve", *FLAGS, "--port", str(port), "--nnodes", "2",
                                "--node-rank", str(r), "--dist-init-addr", addr], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -23,7 +23,7 @@ def test_notebook_runs_and_plots(script):
     assert [c.source for c in nb.cells] == [c.source for c in jupytext.read(script).cells], \
         f"{script.name} and its .ipynb differ: run jupytext --sync {script}"
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(script.parent)}}
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(script.parent)}}
                    ).execute()
     REPORT[f"notebook {script.stem}"] = f"{time.perf_counter() - t0:.0f} s"
     plots = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])

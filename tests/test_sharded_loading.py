@@ -9,21 +9,20 @@ of 4 under ``jax.distributed`` forming one 8-device mesh (CPU collectives over g
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT = re.compile(r"^(?:model\.)?layers\.0\.ffn\.experts\.(\d+)\.w1\.weight$")
 
 
 def _child(*args: str, devices: int) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = {**cpu_env(devices), "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
 

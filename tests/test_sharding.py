@@ -11,20 +11,21 @@ per rank, so the logits move by float rounding, which the fixture's near-ties (r
 1e-3, the Engram gate's square root at 0) can turn into a flipped choice: as in the parity
 tests, a shape whose logits differ must then equal the one-device forward with its weights
 moved by float noise (``conftest.noisy``), which shows the difference is such a flip. The
-engine on each mesh (``--dp-size``/``--ep-size``) generates the one-device engine's tokens, and
-so does one with redundant experts re-placed by EPLB as it runs.
+engine (``--dp-size``/``--ep-size``) on the two extreme meshes generates the one-device engine's
+tokens, and so does one on dp2 x ep4 with redundant experts re-placed by EPLB as it runs.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+ENGINE_SHAPES = [(1, 8), (8, 1)]   # and (2, 4) with redundant experts below: each engine compiles its own programs
 
 
 def test_mesh_needs_its_devices():
@@ -37,7 +38,7 @@ def test_mesh_needs_its_devices():
 
 
 def _in_child(part: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     out = subprocess.run([sys.executable, __file__, part], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,7 +64,7 @@ def test_sharded_forward_equals_one_device(sharded_runs, shape):
     assert (got["all_to_alls"] > 0) == (shape[1] > 1), got
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dp{s[0]}-ep{s[1]}")
+@pytest.mark.parametrize("shape", ENGINE_SHAPES, ids=lambda s: f"dp{s[0]}-ep{s[1]}")
 def test_sharded_engine_generates_the_one_device_tokens(engine_runs, shape):
     """``EngineConfig(dp_size, ep_size)`` (``--dp-size``/``--ep-size``): ``random-tiny``'s engine,
     greedy, on a mixed batch (prompts of 5-90 tokens, a prefill chunked beside decodes)."""
@@ -145,15 +146,16 @@ def _child() -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from conftest import NOISE_DRAWS, agree, noisy
 
     from checkpoints.hf import load_params
+    from mega.moe import MoeSpec
+    from mega.moe import moe as local_moe
     from model.batch import pack_requests
     from model.config import ModelConfig
     from model.engram_vocab import engram_map_for
     from model.forward import forward
     from model.state import init_state
-    from conftest import NOISE_DRAWS, agree, noisy
-    from mega.moe import MoeSpec, moe as local_moe
     from sharding.expert_parallel import moe as ep_moe
     from sharding.mesh import MeshSpec
     from sharding.specs import shard_params, shard_state
@@ -216,7 +218,7 @@ def _engine_runs() -> dict:
 
     def run(dp, ep, **placement):
         e = Engine(params, cfg, EngineConfig(max_running=8, max_len=128, page_size=16, dp_size=dp, ep_size=ep,
-                                             **placement))
+                                             decoder_replay="off", **placement))
         return e, [r["output_ids"] for r in e.generate(prompts, sp, decode_text=False)]
 
     one, out = run(1, 1), {}
@@ -236,7 +238,7 @@ def _engine_runs() -> dict:
     e, tokens = run(1, 1, engram_placement="host")   # one device: a 1 x 1 mesh
     table = e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows
     out["host_one_device"] = {"tokens": tokens, "table_memory": table.sharding.memory_kind}
-    for dp, ep in SHAPES:
+    for dp, ep in ENGINE_SHAPES:
         e, tokens = run(dp, ep)
         w1 = e.model.params["layers"][0]["moe"]["w1"]
         out[f"{dp}x{ep}"] = {
