@@ -30,13 +30,27 @@ from model.params import param_specs
 def save_checkpoint(params: dict, cfg: ModelConfig, out_dir: str | Path, fmt: CheckpointFormat = V41,
                     max_shard_bytes: int = 5 << 30) -> list[Path]:
     """Write ``config.json`` and the safetensors shards (with an index when there are several)."""
+    return _write(stored_tensors(params, cfg, fmt), cfg, out_dir, fmt, max_shard_bytes)
+
+
+def save_random_checkpoint(cfg: ModelConfig, out_dir: str | Path, fmt: CheckpointFormat = V41, seed: int = 0,
+                           draft: bool = False, max_shard_bytes: int = 5 << 30) -> list[Path]:
+    """``save_checkpoint(init_params(cfg, seed, draft=draft), cfg, out_dir, fmt)``, each parameter
+    drawn, encoded and written before the next is drawn: benchmark models larger than memory."""
+    from checkpoints.init import random_leaves
+
+    return _write(_encoded(random_leaves(cfg, seed, draft=draft), fmt, lambda spec: None), cfg, out_dir, fmt,
+                  max_shard_bytes)
+
+
+def _write(tensors, cfg: ModelConfig, out_dir: str | Path, fmt: CheckpointFormat, max_shard_bytes: int) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
               "dtype": fmt.float_dtype, **cfg.to_dict()}
     if (q := fmt.quantization_config()) is not None:
         config["quantization_config"] = q
-    files = write_shards(out_dir, stored_tensors(params, cfg, fmt), max_shard_bytes)
+    files = write_shards(out_dir, tensors, max_shard_bytes)
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     return files
 
@@ -44,9 +58,15 @@ def save_checkpoint(params: dict, cfg: ModelConfig, out_dir: str | Path, fmt: Ch
 def stored_tensors(params: dict, cfg: ModelConfig, fmt: CheckpointFormat
                    ) -> Iterator[tuple[str, np.ndarray, str | None]]:
     """Every tensor of the checkpoint of ``params`` in ``fmt``: ``(name, host array, raw dtype)``."""
-    for spec in param_specs(cfg, draft="mtp" in params):
-        leaf = _at(params, spec.path)
-        scale = _at(params, spec.path[:-1] + ("scale",)) if spec.role == "table" else None
+    leaves = ((spec, _at(params, spec.path)) for spec in param_specs(cfg, draft="mtp" in params))
+    return _encoded(leaves, fmt, lambda spec: _at(params, spec.path[:-1] + ("scale",)))
+
+
+def _encoded(leaves, fmt: CheckpointFormat, table_scale) -> Iterator[tuple[str, np.ndarray, str | None]]:
+    """The stored tensors of ``(spec, leaf)`` pairs (``table_scale(spec)``: an Engram table's
+    scale leaf, which an fp8 table is stored with)."""
+    for spec, leaf in leaves:
+        scale = table_scale(spec) if spec.role == "table" else None
         for k, name in enumerate(spec.names):
             w = jax.tree.map(lambda a: a[k], leaf) if spec.stacked else leaf
             yield from fmt.encode(spec, name, w, scale)

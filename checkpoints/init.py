@@ -8,7 +8,7 @@ own key folded from the seed and the leaf's position, so the result depends only
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +43,15 @@ def _draw(spec: ParamSpec, key: jax.Array) -> jnp.ndarray:
     raise ValueError(f"unknown init {spec.init!r} for {spec.path}")
 
 
+def random_leaves(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, draft: bool = False
+                  ) -> Iterator[tuple[ParamSpec, jnp.ndarray]]:
+    """``(spec, leaf)`` of every parameter, each drawn when it is reached (a model larger than
+    memory can be written leaf by leaf: ``checkpoints.export.save_random_checkpoint``)."""
+    root = jax.random.PRNGKey(seed)
+    for i, spec in enumerate(param_specs(cfg, draft)):
+        yield spec, _draw(spec, jax.random.fold_in(root, i)).astype(spec.dtype(dtype))
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, draft: bool = False) -> dict:
     """Random parameters of ``cfg`` (with ``draft``, the DSpark draft layers' too)."""
-    root = jax.random.PRNGKey(seed)
-    leaves = {}
-    for i, spec in enumerate(param_specs(cfg, draft)):
-        leaves[spec.path] = _draw(spec, jax.random.fold_in(root, i)).astype(spec.dtype(dtype))
-    return build_tree(cfg, leaves)
+    return build_tree(cfg, {spec.path: leaf for spec, leaf in random_leaves(cfg, seed, dtype, draft)})

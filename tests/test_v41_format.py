@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints.export import save_checkpoint, stored_params, stored_tensors
+from checkpoints.export import save_checkpoint, save_random_checkpoint, stored_params, stored_tensors
 from checkpoints.formats import BF16, V41, CheckpointError
 from checkpoints.hf import load_params
 from checkpoints.init import init_params
@@ -139,6 +139,18 @@ def test_bf16_export_round_trips(tiny, tmp_path):
     assert loaded["layers"][2]["hc_attn"]["fn"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(loaded["layers"][2]["attn"]["wq_a"]),
                                   np.asarray(params["layers"][2]["attn"]["wq_a"].astype(jnp.bfloat16)))
+
+
+def test_a_random_checkpoint_drawn_as_written_is_the_exported_init(exported, tiny, tmp_path):
+    """The benchmarks' models too large for memory: drawn leaf by leaf, the same bytes as the
+    export of ``init_params``."""
+    cfg, _ = tiny
+    save_random_checkpoint(cfg, tmp_path, V41, seed=5, draft=True, max_shard_bytes=2 << 20)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
+    names = _header(exported)
+    assert set(_header(tmp_path)) == set(names) and any(n.startswith("mtp.") for n in names)
+    for name in names:
+        np.testing.assert_array_equal(_raw(tmp_path, name), _raw(exported, name), err_msg=name)
 
 
 def _bad(tmp_path, tiny, edit=None, quant=RELEASE_QUANT):
