@@ -94,8 +94,9 @@ def test_redundant_experts_eplb_and_host_engram_keep_the_one_device_tokens(engin
 
 
 def test_host_engram_on_one_device_keeps_its_tokens(engine_runs):
+    """``--engram-placement host --quantization mxfp4`` on one device."""
     got = engine_runs["host_one_device"]
-    assert got["tokens"] == engine_runs["one_device"] and got["table_memory"] == "pinned_host", got
+    assert got["tokens"] == engine_runs["mxfp4_one_device"] and got["table_memory"] == "pinned_host", got
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +236,9 @@ def _engine_runs() -> dict:
                    "moved": sum(not np.array_equal(p, trivial(cfg.n_routed_experts, 12)) for p in e.balancer.placement),
                    "scorer_max_diff": float(np.abs(np.asarray(e.last_logits(probe)) - want_logits).max()),
                    "table_memory": table.sharding.memory_kind}
-    e, tokens = run(1, 1, engram_placement="host")   # one device: a 1 x 1 mesh
+    # one device: a 1 x 1 mesh, with MXFP4 experts (int4 codes on a mesh: serve.programs)
+    out["mxfp4_one_device"] = run(1, 1, quantization="mxfp4")[1]
+    e, tokens = run(1, 1, engram_placement="host", quantization="mxfp4")
     table = e.model.params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].rows
     out["host_one_device"] = {"tokens": tokens, "table_memory": table.sharding.memory_kind}
     for dp, ep in ENGINE_SHAPES:
