@@ -78,7 +78,8 @@ def run(args, placement: str):
                       "tokens_per_s": (dec["tokens"] - pre["tokens"]) / (dec["s"] - pre["s"]),
                       "accept_length": dec["accepted"] / max(dec["verifies"], 1),
                       "step_breakdown": decode_step(traced["prefill"], traced["decode"]),
-                      "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape)}
+                      "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape),
+                      "programs": engine.runner.programs.info()}
 
 
 if __name__ == "__main__":

@@ -213,6 +213,7 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     ckpt = checkpoint(cfg, checkpoint_dir)
     ceil = ceilings(args.smoke)
     payload = {**run_info(), "ceilings": ceil, "checkpoint": ckpt, "config": cfg.to_dict(), "routing": "balanced",
+               "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, str, float, bool, type(None)))},
                "runs": {}}
     for variant in args.variants.split(","):

@@ -11,12 +11,10 @@ latency, completed requests) goes to ``bench/results/pd_serving_cpu_<commit>.jso
 The workers start with ``--no-warmup`` (programs compile on first use), so each mode first runs an
 unmeasured pass of the same load with another seed: the measured pass then runs compiled programs.
 
-The client runs in its own venv, sglang installed without its dependencies (they would pull torch):
+The client runs in its own venv, sglang installed without its dependencies (they would pull torch)
+beside what bench_serving imports; ``client_python`` makes it (about 100 s, 0.7 GB):
 
-    python3 -m venv /work/bsvenv
-    /work/bsvenv/bin/pip install --no-deps sglang==0.5.8
-    /work/bsvenv/bin/pip install transformers==4.57.1 aiohttp numpy requests tqdm pybase64 datasets \\
-        pillow huggingface_hub IPython pydantic
+    python -c "import sys; sys.path.insert(0, 'bench'); import pd_serving; pd_serving.client_python('/work/bsvenv')"
 
 Then, from the repo root in megajax's venv (about 2 minutes a mode):
 
@@ -42,6 +40,9 @@ from model.engram_vocab import tokenizer_path  # noqa: E402
 from serve.fleet import launched  # noqa: E402
 
 CLIENT_ENV = {"HF_HUB_OFFLINE": "1"}   # bench_serving would look the served model's name up on the hub
+CLIENT = "sglang==0.5.8"
+CLIENT_IMPORTS = ["transformers==4.57.1", "aiohttp", "numpy", "requests", "tqdm", "pybase64", "datasets", "pillow",
+                  "huggingface_hub", "IPython", "pydantic"]
 MODES = {"colocated": (["--workers", "1"], 1), "pd": (["--prefill", "1", "--decode", "1"], 2)}
 SUMMARY = ("completed", "duration", "request_throughput", "output_throughput", "concurrency",
            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
@@ -126,6 +127,19 @@ def device() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return f"{os.cpu_count()}-core CPU ({cpu}), {platform.platform()}, Python {platform.python_version()}"
+
+
+def client_python(venv: str | Path) -> str:
+    """The interpreter of ``venv``, made with SGLang's ``bench_serving`` unless it has it."""
+    python = Path(venv) / "bin" / "python"
+    ready = python.exists() and subprocess.run([str(python), "-c", "import sglang.bench_serving"],
+                                               capture_output=True).returncode == 0
+    if not ready:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "--no-deps", CLIENT], check=True)
+        subprocess.run([*pip, *CLIENT_IMPORTS], check=True)
+    return str(python)
 
 
 def conditions(bench_python: str) -> dict:

@@ -75,7 +75,8 @@ def run(args, variant: str):
         yield tokens, {**out["prefill"], "step_ms": out["prefill"]["s"] * 1e3,
                        "tokens_per_s": tokens / out["prefill"]["s"], "kernels": top_kernels(traced["prefill"]),
                        "host_ms": traced["prefill"]["host_s"] * 1e3,
-                       "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape)}
+                       "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape),
+                       "programs": engine.runner.programs.info()}
 
 
 if __name__ == "__main__":
