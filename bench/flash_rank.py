@@ -152,6 +152,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
 
     dense = sum(linear_params({k: v for k, v in lp.items() if k not in ("moe", "engram")})
                 + linear_params({k: v for k, v in lp["moe"].items() if k not in ("w1", "w2", "w3")})
+                + linear_params({k: v for k, v in lp.get("engram", {}).items() if k not in ("table", "scale")})
                 for lp in layers)
     expert = 3 * h * cfg.moe_intermediate_size
     linear_flops = 2 * rows * (dense + cfg.num_hidden_layers * cfg.num_experts_per_tok * expert + cfg.vocab_size * h)
