@@ -28,7 +28,6 @@ the device's bandwidth; the decode of this slice is bound by them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -37,8 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu import config, decode_step, pass_totals  # noqa: E402
-from gpu_common import ceilings, run_info, traced_events, write  # noqa: E402
+from engine_gpu import config, decode_step  # noqa: E402
+from flash_rank import timed_passes  # noqa: E402
+from gpu_common import ceilings, run_info, write  # noqa: E402
 
 CKPT = Path(os.environ.get("MEGAJAX_BENCH_CKPT", "/tmp/megajax_dspark_gpu"))
 NEW_TOKENS = 49
@@ -83,22 +83,10 @@ def measure(engine, mode: str, batch: int, spec: dict, smoke: bool) -> dict:
 
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(3, 129000, size=8 if smoke else 128).tolist() for _ in range(batch)]
-    out, traced = {"kernel_paths": engine.kernel_paths}, {}
-    for name, new in (("prefill", 1), ("decode", NEW_TOKENS)):
-        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
-        t0 = time.perf_counter()
-        engine.generate(prompts, sp, decode_text=False)
-        first = time.perf_counter() - t0
-        steps0, v0, a0 = engine.stats.steps, engine.stats.verifies, engine.stats.accepted
-        t0 = time.perf_counter()
-        res = engine.generate(prompts, sp, decode_text=False)
-        out[name] = {"first_s": first, "s": time.perf_counter() - t0, "steps": engine.stats.steps - steps0,
-                     "tokens": sum(len(r["output_ids"]) for r in res), "verifies": engine.stats.verifies - v0,
-                     "accepted": engine.stats.accepted - a0}
-        # the same pass again under the profiler: where a step's time goes, kernel by kernel
-        before = dataclasses.replace(engine.stats)
-        events = traced_events(lambda: engine.generate(prompts, sp, decode_text=False))
-        traced[name] = {**pass_totals(before, engine.stats, *events), "wall_s": out[name]["s"]}
+    greedy = {"temperature": 0, "ignore_eos": True}
+    passes, traced = timed_passes(engine, lambda: prompts, {"prefill": {**greedy, "max_new_tokens": 1},
+                                                           "decode": {**greedy, "max_new_tokens": NEW_TOKENS}})
+    out = {"kernel_paths": engine.kernel_paths, **passes}
     out["step_breakdown"] = decode_step(traced["prefill"], traced["decode"])
     pre, dec = out["prefill"], out["decode"]
     steps = dec["steps"] - pre["steps"]
