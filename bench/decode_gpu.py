@@ -65,7 +65,8 @@ def run(args, placement: str):
     greedy = {"temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
     engine.generate([prefix], {**greedy, "max_new_tokens": 1}, decode_text=False)
-    yield "prefix", {"tokens": args.context, "s": time.perf_counter() - t0}
+    yield "prefix", {"tokens": args.context, "s": time.perf_counter() - t0,
+                     "compiles_s": list(engine.runner.programs.compile_log)}
     for batch in batches:
         def prompts():
             return [prefix + rng.integers(3, 129000, size=OWN_TOKENS).tolist() for _ in range(batch)]
@@ -79,7 +80,8 @@ def run(args, placement: str):
                       "accept_length": dec["accepted"] / max(dec["verifies"], 1),
                       "step_breakdown": decode_step(traced["prefill"], traced["decode"]),
                       "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape),
-                      "programs": engine.runner.programs.info()}
+                      "programs": {**engine.runner.programs.info(),
+                                     "compiles_s": list(engine.runner.programs.compile_log)}}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 FLASH_EXPERTS, FLASH_DRAFT_EXPERTS = 384, 128
@@ -185,10 +186,10 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     ``config(args)``: the model's config, written to ``checkpoint_dir``."""
     import argparse
     import os
-    import subprocess
     import sys
+    import time
 
-    from gpu_common import ceilings, run_info, write
+    from gpu_common import ceilings, out_dir, run_info, write
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU: toy widths, 8 layers, a short context")
@@ -197,10 +198,12 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     ap.add_argument("--variants", default=variants)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=540, help="seconds per variant")
+    ap.add_argument("--deadline", type=int, default=10 ** 6, help="seconds the whole run may take (a device call's limit)")
     ap.add_argument("--name", default=name, help="JSON file name under $OUT")
     for flag, kw in extra_args:
         ap.add_argument(flag, **kw)
     args = ap.parse_args()
+    start = time.monotonic()
     if args.smoke:
         args.depth, args.context = 8, min(args.context, 512)
     if args.child:
@@ -213,32 +216,61 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     cfg = config(args)
     ckpt = checkpoint(cfg, checkpoint_dir)
     ceil = ceilings(args.smoke)
+    print(f"checkpoint {ckpt}, ceilings {ceil} at {time.monotonic() - start:.0f} s", flush=True)
     payload = {**run_info(), "ceilings": ceil, "checkpoint": ckpt, "config": cfg.to_dict(), "routing": "balanced",
                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, str, float, bool, type(None)))},
                "runs": {}}
     for variant in args.variants.split(","):
-        cmd = [sys.executable, script, *sys.argv[1:], "--child", variant]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env)
-            stdout, failed = p.stdout, p.returncode and p.stderr[-3000:]
-        except subprocess.TimeoutExpired as e:
-            stdout, failed = (e.stdout or b"").decode(), f"timed out after {args.timeout} s"
         runs = payload["runs"].setdefault(variant, {})
-        for line in stdout.splitlines():
-            if line.startswith("RESULT "):
-                got = json.loads(line[len("RESULT "):])
-                key = got.pop("key")
-                if isinstance(key, int):
-                    got["roofline"] = roofline(got["cost"], ceil)
-                    got["roofline_ratio"] = got["step_ms"] / got["roofline"]["ms"]
-                runs[str(key)] = got
-                print(variant, key, {k: got[k] for k in ("step_ms", "tokens_per_s", "roofline_ratio", "s", "init_s")
-                                     if k in got}, flush=True)
+        left = args.deadline - (time.monotonic() - start) - 20
+        if left < 60:
+            runs["error"] = f"not run: {max(left, 0):.0f} s were left of --deadline {args.deadline}"
+            write(args.name, payload)
+            continue
+        cmd = [sys.executable, script, *sys.argv[1:], "--child", variant]
+        failed = _stream_child(cmd, child_env, min(args.timeout, left),
+                               partial(_record, runs=runs, ceil=ceil, variant=variant, save=lambda: write(args.name, payload)),
+                               out_dir() / f"{args.name}_{variant}.log")
         if failed:
             runs["error"] = failed
             print(variant, "FAILED", failed[-1500:], flush=True)
         write(args.name, payload)
+
+
+def _stream_child(cmd, env, timeout: float, on_result, log: Path) -> str | None:
+    """Run ``cmd``, handing each RESULT line to ``on_result`` as it is printed (a child cut by its
+    time limit keeps what it measured) and its stderr to ``log``; its failure, or None."""
+    import subprocess
+    import threading
+    import time
+
+    with open(log, "w") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        timer = threading.Timer(timeout, p.kill)
+        timer.start()
+        t0 = time.monotonic()
+        for line in p.stdout:
+            if line.startswith("RESULT "):
+                got = json.loads(line[len("RESULT "):])
+                got["at_s"] = round(time.monotonic() - t0, 1)
+                on_result(got)
+        p.wait()
+        timer.cancel()
+    if time.monotonic() - t0 >= timeout:
+        return f"timed out after {timeout:.0f} s"
+    return p.returncode and log.read_text()[-3000:] or None
+
+
+def _record(got: dict, runs: dict, ceil: dict, variant: str, save) -> None:
+    key = got.pop("key")
+    if isinstance(key, int):
+        got["roofline"] = roofline(got["cost"], ceil)
+        got["roofline_ratio"] = got["step_ms"] / got["roofline"]["ms"]
+    runs[str(key)] = got
+    print(variant, key, {k: got[k] for k in ("at_s", "step_ms", "tokens_per_s", "roofline_ratio", "s", "init_s")
+                         if k in got}, flush=True)
+    save()
 
 
 def timed_passes(engine, prompts, passes: dict) -> tuple[dict, dict]:

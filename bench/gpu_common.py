@@ -227,9 +227,14 @@ def rel_err(got, ref) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def out_dir() -> Path:
+    """Where results go: ``$OUT`` on the device machine, ``bench_out/`` here."""
+    path = Path(os.environ.get("OUT", ROOT / "bench_out"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write(name: str, payload: dict) -> Path:
-    out_dir = Path(os.environ.get("OUT", ROOT / "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
+    path = out_dir() / f"{name}.json"
     path.write_text(json.dumps({**payload, "gpu_state_end": gpu_state()}, indent=1))
     return path

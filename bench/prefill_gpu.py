@@ -65,7 +65,8 @@ def run(args, variant: str):
     one = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1}
     steps0, t0 = engine.stats.steps, time.perf_counter()
     engine.generate([prefix], one, decode_text=False)
-    yield "prefix", {"tokens": args.context, "s": time.perf_counter() - t0, "steps": engine.stats.steps - steps0}
+    yield "prefix", {"tokens": args.context, "s": time.perf_counter() - t0,
+                     "compiles_s": list(engine.runner.programs.compile_log), "steps": engine.stats.steps - steps0}
     for tokens in sizes:
         def prompts():
             return [prefix + rng.integers(3, 129000, size=own).tolist() for _ in range(tokens // own)]
@@ -76,7 +77,8 @@ def run(args, variant: str):
                        "tokens_per_s": tokens / out["prefill"]["s"], "kernels": top_kernels(traced["prefill"]),
                        "host_ms": traced["prefill"]["host_s"] * 1e3,
                        "cost": step_cost(engine.model.cfg, engine.model.params, engine.runner.state.model, shape),
-                       "programs": engine.runner.programs.info()}
+                       "programs": {**engine.runner.programs.info(),
+                                     "compiles_s": list(engine.runner.programs.compile_log)}}
 
 
 if __name__ == "__main__":

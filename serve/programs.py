@@ -25,7 +25,7 @@ import os
 import resource
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Hashable
@@ -183,6 +183,7 @@ class ProgramCache:
     compiles: int = 0
     evictions: int = 0
     compile_s: float = 0.0
+    compile_log: deque = field(default_factory=lambda: deque(maxlen=64))   # (key, seconds): the latest compiles
     _held: OrderedDict = field(default_factory=OrderedDict)
 
     def run(self, key: Hashable, fn: Callable, args: tuple, statics: dict | None = None,
@@ -203,7 +204,8 @@ class ProgramCache:
         program = jitted.lower(*args).compile()
         if _cpu_int4_on_mesh(args):
             program = jitted   # (its first call takes this compile from the persistent cache)
-        self.compile_s += time.perf_counter() - t0
+        self.compile_log.append((_label(key), round(time.perf_counter() - t0, 2)))
+        self.compile_s += self.compile_log[-1][1]
         self.compiles += 1
         b = self.budget
         if maps0 is not None:
@@ -240,6 +242,20 @@ class ProgramCache:
     def info(self) -> dict:
         return {"held": len(self._held), "compiles": self.compiles, "evictions": self.evictions,
                 "compile_s": round(self.compile_s, 1), **self.budget.describe()}
+
+
+def _label(key: Hashable) -> str:
+    """A short name of a program key: its strings and numbers, and an input layout's first
+    shape (the step's token count)."""
+    if not isinstance(key, tuple):
+        return str(key)
+    parts = []
+    for k in key:
+        if isinstance(k, (str, int)):
+            parts.append(str(k))
+        elif isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], tuple) and k[1] and isinstance(k[1][0], tuple):
+            parts.append(f"tokens={k[1][0][0][0]}")
+    return " ".join(parts)
 
 
 _SHARED: ProgramCache | None = None
