@@ -207,6 +207,9 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     if args.smoke:
         args.depth, args.context = 8, min(args.context, 512)
     if args.child:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")   # to its log file
         for key, got in run(args, args.child):
             print("RESULT " + json.dumps({"key": key, **got}), flush=True)
         return

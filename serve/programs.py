@@ -21,6 +21,7 @@ configuration error. One cache serves the process, since the limits are the proc
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import resource
 import threading
@@ -205,6 +206,7 @@ class ProgramCache:
         if _cpu_int4_on_mesh(args):
             program = jitted   # (its first call takes this compile from the persistent cache)
         self.compile_log.append((_label(key), round(time.perf_counter() - t0, 2)))
+        logging.getLogger("megajax").info("compiled %s in %.1f s", *self.compile_log[-1])
         self.compile_s += self.compile_log[-1][1]
         self.compiles += 1
         b = self.budget
