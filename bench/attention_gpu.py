@@ -56,9 +56,9 @@ from gpu_common import (ceilings, gpu_timeline, rel_err, run_info, time_jax_one_
                         time_jax_sets, write)
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
-    STAGES, Fp8Pool, auto_splits, sparse_mqa, sparse_mqa_reference)
+    STAGES, auto_splits, sparse_mqa, sparse_mqa_reference)
 from model.quant import fp8_block32_parts  # noqa: E402
-from pallas_kernels.sparse_attention import ue8m0  # noqa: E402
+from pallas_kernels.block_scaled import Fp8Pool, ue8m0  # noqa: E402
 
 L2_BYTES = 60e6
 

@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_gpu  # noqa: E402
 from gpu_common import run_info  # noqa: E402
 
-from pallas_kernels.grouped_gemm import Fp8Rows, QuantizedWeight, grouped_matmul, grouped_swiglu  # noqa: E402
+from pallas_kernels.block_scaled import Fp8Rows, QuantizedWeight  # noqa: E402
+from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
 from mega.moe import aligned_layout, kernel_configs  # noqa: E402
 

@@ -70,10 +70,10 @@ def one_tree(formats: list[str]) -> list[dict]:
     import numpy as np
     from gpu_common import gpu_kernels, gpu_timeline, rel_err
     from moe_gpu import reference
-    from pallas_kernels.fp4 import Fp4Weight
+    from pallas_kernels.block_scaled import Fp4Weight, QuantizedWeight
     from pallas_kernels import grouped_gemm as gg
-    from pallas_kernels.grouped_gemm import GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
-    w8a8_rows = getattr(gg, "Fp8Rows", None)   # (absent from trees before W8A8)
+    from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu
+    from pallas_kernels.block_scaled import Fp8Rows as w8a8_rows
     keys = jax.random.split(jax.random.key(0), 4)
     w1, w3 = (jax.random.normal(k, (E, I, D), jnp.bfloat16) * D ** -0.5 for k in keys[:2])
     w2 = jax.random.normal(keys[2], (E, D, I), jnp.bfloat16) * I ** -0.5

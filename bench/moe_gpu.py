@@ -51,9 +51,8 @@ from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, r
                         time_jax_one_dispatch, time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
-from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu,
-                                         swiglu_f32)
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32
 
 E, D, I = 6, 5120, 2304
 INTERPRET = None  # --smoke: tiny shapes through the Mosaic GPU interpreter on CPU

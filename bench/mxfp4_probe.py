@@ -31,7 +31,7 @@ def one(variant: str, t: int) -> dict:
     import jax.numpy as jnp
     from gpu_common import gpu_timeline
     from pallas_kernels import grouped_gemm as gg
-    from pallas_kernels.fp4 import Fp4Weight
+    from pallas_kernels.block_scaled import Fp4Weight
     if variant == "no-convert":
         gg.e2m1_f16_words = xor_words
     keys = jax.random.split(jax.random.key(0), 4)

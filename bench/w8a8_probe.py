@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpu_common import rel_err
-from pallas_kernels.grouped_gemm import Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu, swiglu_f32
+from pallas_kernels.block_scaled import Fp8Rows, QuantizedWeight
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32
 
 E, D, I, T = 6, 5120, 2304, 16
 HI = jax.lax.Precision.HIGHEST

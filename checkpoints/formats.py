@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.quant import FP8_MAX, fp8_block32_stored
+from model.quant import fp8_block32_stored
 from model.params import ParamSpec
-from pallas_kernels.fp4 import Fp4Weight, mxfp4_parts, pow2_ceil_exponent, pow2_from_exponent, scale_values
-from pallas_kernels.grouped_gemm import QuantizedWeight
+from pallas_kernels.block_scaled import (FP8_MAX, Fp4Weight, QuantizedWeight, fp8_scale_exponent, mxfp4_parts,
+                                        pow2_from_exponent, scale_values)
 
 
 class CheckpointError(ValueError):
@@ -65,7 +65,7 @@ class Fp8Blocks:
     def encode(self, w: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """(e4m3 ``[N, K]``, scales): the power of two at or above each block's amax / 448."""
         b = self._blocks(w.astype(jnp.float32))
-        e = pow2_ceil_exponent(jnp.maximum(jnp.abs(b).max(axis=(-3, -1)), 1e-30) * (1.0 / FP8_MAX)) + 127
+        e = fp8_scale_exponent(jnp.abs(b).max(axis=(-3, -1))) + 127
         q = jnp.clip(b / pow2_from_exponent(e)[..., :, None, :, None], -FP8_MAX, FP8_MAX)
         q = self._unblocks(q, w.shape).astype(jnp.float8_e4m3fn)
         return q, (e.astype(jnp.uint8) if self.ue8m0 else pow2_from_exponent(e))

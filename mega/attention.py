@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import apply_rope
-from pallas_kernels.sparse_attention import Fp8Pool, sparse_mqa, sparse_mqa_reference
+from pallas_kernels.block_scaled import Fp8Pool
+from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
 
 
 def kernel_path(dtype, heads: int, head_dim: int, pool_dtypes) -> backend.Path:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mega.primitives import linear
-from pallas_kernels.fp4 import scale_values
+from pallas_kernels.block_scaled import scale_values
 
 
 def lookup_rows(table: jnp.ndarray, scale: jnp.ndarray, hash_ids: jnp.ndarray) -> jnp.ndarray:

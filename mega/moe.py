@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import HIGHEST, linear
-from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul, grouped_swiglu
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
+from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # block-scaled expert formats: their weight type, and the block sizes their dimensions need

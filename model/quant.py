@@ -11,17 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.fp4 import FP4_MAX, e2m1_code, e2m1_value, mxfp4_parts, pow2_ceil, pow2_from_exponent
+from pallas_kernels.block_scaled import (FP4_MAX, FP8_MAX, e2m1_round, e2m1_value, mxfp4_parts, pow2_from_exponent,
+                                        pow2_scale, ue8m0)
 from pallas_kernels.qat import straight_through
-from pallas_kernels.sparse_attention import ue8m0
-
-FP8_MAX = 448.0
-
-
-def e2m1_round(q: jnp.ndarray) -> jnp.ndarray:
-    """Round pre-clamped float32 values to the e2m1 grid, ties to even."""
-    return e2m1_value(e2m1_code(q))
-
 
 def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
@@ -31,7 +23,7 @@ def fp8_block32_parts(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The stored form of the window-KV quantiser: e4m3 values ``[..., D]`` and one
     power-of-two fp32 scale per 32 channels ``[..., D / 32]`` (what fp8 KV kernels read)."""
     b = _blocks(x, 32)
-    scale = pow2_ceil(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4) * (1.0 / FP8_MAX))
+    scale = pow2_scale(jnp.maximum(jnp.abs(b).max(-1, keepdims=True), 1e-4), FP8_MAX)
     q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return q.reshape(x.shape), scale[..., 0]
 

@@ -105,7 +105,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -115,9 +115,9 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import transposed
-from pallas_kernels.fp4 import (BLOCK as FP4_BLOCK, Fp4Weight, e2m1_f16, e2m1_f16_words, from_kernel_order,
-                                pow2_from_exponent)
-from pallas_kernels.qat import straight_through
+from pallas_kernels.block_scaled import (BLOCK as FP4_BLOCK, Fp4Weight, Fp8Rows, QuantizedWeight, fp8_scale_exponent,
+                                        from_kernel_order, pow2_from_exponent, scale_row)
+from pallas_kernels.fp4 import e2m1_f16, e2m1_f16_words
 
 
 @dataclass(frozen=True)
@@ -192,108 +192,6 @@ class GemmConfig:
         """Whether a W8A8 gate/up kernel with these tiles can write ``h`` as ``Fp8Rows``
         (``fp8_out``): swapped, one warpgroup, 128 wide, so a tile's columns are one scale block."""
         return self.swap_ab and self.compute_wgs == 1 and self.block_n == 128
-
-
-def _scale_row(n: int) -> int:
-    """Length of a scale row of ``n`` entries padded to 128 bytes, since a TMA copy into
-    shared memory must start at a 128-byte-aligned address (rows of several weights sit side
-    by side)."""
-    return n + -n % 32
-
-
-class QuantizedWeight(NamedTuple):
-    """An fp8 e4m3 expert stack ``q [E, N, K]`` with one power-of-two fp32 scale per 128 x 128
-    block, ``scale [E, N / 128, K / 128]`` (DeepSeek's block-scaled layout): ``w = q * scale``.
-
-    The kernels read the scales in a form derived once (``of``), so that no call pays for it:
-    ``rel [E, N / 128, _scale_row(K / 128)]``, each block's scale over the largest in its row
-    of blocks, and that largest, ``largest [E, N / 128]``. A CTA's tile lies in one row of
-    blocks (tiles divide 128) and spans all of K, so it loads that row once and its epilogue
-    multiplies by that largest."""
-    q: jax.Array
-    scale: jax.Array
-    rel: jax.Array
-    largest: jax.Array
-
-    @property
-    def shape(self):
-        return self.q.shape
-
-    @classmethod
-    def of(cls, q: jax.Array, scale: jax.Array) -> "QuantizedWeight":
-        largest = scale.max(axis=-1)
-        kb = scale.shape[-1]
-        rel = jnp.pad(scale / largest[..., None], [(0, 0)] * (scale.ndim - 1) + [(0, _scale_row(kb) - kb)])
-        return cls(q, scale, rel, largest)
-
-    @classmethod
-    def from_float(cls, w: jax.Array) -> "QuantizedWeight":
-        """Block-quantise ``[..., N, K]`` weights: power-of-two scale per 128 x 128 block."""
-        *lead, n, k = w.shape
-        blocks = w.astype(jnp.float32).reshape(*lead, n // 128, 128, k // 128, 128)
-        scale = _fp8_scale(jnp.abs(blocks).max(axis=(-3, -1)))
-        full = jnp.repeat(jnp.repeat(scale, 128, axis=-2), 128, axis=-1)
-        return cls.of((w / full).astype(jnp.float8_e4m3fn), scale)
-
-    def dequantized(self, dtype=jnp.float32):
-        s = jnp.repeat(jnp.repeat(self.scale, 128, axis=-2), 128, axis=-1)
-        return (self.q.astype(jnp.float32) * s).astype(dtype)
-
-    def swapped(self):
-        return self._replace(q=jnp.swapaxes(self.q, 1, 2))
-
-
-def _fp8_scale_exponent(amax: jax.Array) -> jax.Array:
-    """``ceil(log2(amax / 448))`` (int32): the exponent of the power-of-two (UE8M0) scale that
-    takes a block's largest magnitude to at most e4m3's 448 = 1.75 * 2^8. From the float's bits,
-    with no division and no ``log2`` (not exact at every power of two), so that a kernel's
-    epilogue computes the same bits as XLA."""
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, 1e-30).astype(jnp.float32), jnp.int32)
-    return ((bits >> 23) & 0xFF) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-
-
-def _fp8_scale(amax: jax.Array) -> jax.Array:
-    return pow2_from_exponent(_fp8_scale_exponent(amax) + 127)
-
-
-class Fp8Rows(NamedTuple):
-    """Activation rows in fp8 for the W8A8 kernels (the block-fp8 MoE of DeepGEMM and SGLang):
-    e4m3 ``q [M, K]`` with one power-of-two scale per row per 128 columns, kept transposed,
-    ``scale [K / 128, M]``, so that a CTA's rows of it are one TMA box."""
-    q: jax.Array
-    scale: jax.Array
-
-    @property
-    def shape(self):
-        return self.q.shape
-
-    @classmethod
-    def from_float(cls, x: jax.Array) -> "Fp8Rows":
-        m, k = x.shape
-        blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
-        scale = _fp8_scale(jnp.abs(blocks).max(axis=-1))
-        return cls((blocks / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(m, k), scale.T)
-
-    def dequantized(self, dtype=jnp.float32):
-        m, k = self.q.shape
-        blocks = self.q.astype(jnp.float32).reshape(m, k // 128, 128) * self.scale.T[..., None]
-        return blocks.reshape(m, k).astype(dtype)
-
-    @staticmethod
-    @straight_through
-    def rounded(x: jax.Array) -> jax.Array:
-        """``from_float(x).dequantized(x.dtype)`` for the references, without an fp8 array: XLA
-        on the GPU drops a convert to fp8 and back inside a fusion (excess precision), so the
-        rounding is spelled out. e4m3fn keeps 3 mantissa bits from 2^-6 up (``reduce_precision``
-        with a wider exponent, which the GPU keeps; values stay within 448), and a fixed
-        2^-9 step below."""
-        m, k = x.shape
-        blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
-        scale = _fp8_scale(jnp.abs(blocks).max(axis=-1))[..., None]
-        v = blocks / scale
-        v = jnp.where(jnp.abs(v) < 2.0 ** -6, jnp.round(v * 2.0 ** 9) * 2.0 ** -9,
-                      jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3))
-        return (v * scale).reshape(m, k).astype(x.dtype)
 
 
 def _one_expert(w):
@@ -571,7 +469,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
         (``Fp8Rows``; the scales go to ``sc_smem``), rounded to bf16 first as the references
         round ``h`` before requantising it."""
         out = out.astype(jnp.bfloat16).astype(jnp.float32)
-        e = _fp8_scale_exponent(jnp.max(jnp.abs(out), axis=0))
+        e = fp8_scale_exponent(jnp.max(jnp.abs(out), axis=0))
         sc_smem[...] = pow2_from_exponent(e + 127)
         return out * jax.lax.broadcast_in_dim(pow2_from_exponent(127 - e), out.shape, [1])
 
@@ -657,7 +555,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 return plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 0),
                                            max_concurrent_steps=cfg.stages,
                                            init_carry=w8a8_zeros())(lhs_gmem, *w)
-            return pl.run_scoped(body, plgpu.SMEM((n_q, _scale_row(k // 128)), jnp.float32),
+            return pl.run_scoped(body, plgpu.SMEM((n_q, scale_row(k // 128)), jnp.float32),
                                  plgpu.SMEM((k // 128, rows), jnp.float32),
                                  plgpu.Barrier(num_arrivals=1, num_barriers=n_q + 1))
 
@@ -695,7 +593,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs(mi, ni, 1),
                                     max_concurrent_steps=cfg.stages)(lhs_gmem, *w)
             n_q = len(scales)
-            pl.run_scoped(dequant, plgpu.SMEM((n_q, _scale_row(k // 128)), jnp.float32),
+            pl.run_scoped(dequant, plgpu.SMEM((n_q, scale_row(k // 128)), jnp.float32),
                           plgpu.Barrier(num_arrivals=1, num_barriers=n_q),
                           *(() if a_in_registers else (plgpu.SMEM((n_q, *tile), tile_dtype),)))
 
@@ -760,7 +658,7 @@ def _grouped_kernel(lhs, stacks, block_expert, epilogue: Callable, cfg: GemmConf
                                plgpu.TilingTransform((8, EPI_COLS)), plgpu.SwizzleTransform(128)))
                            if bc % EPI_COLS == 0 and out_dtype == jnp.bfloat16 and not swap
                            else plgpu.SMEM((cfg.compute_wgs, bm, bc), out_dtype),
-                           fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, _scale_row(k // 128)), jnp.float32),
+                           fp8=(plgpu.SMEM((cfg.compute_wgs, n_q_max, scale_row(k // 128)), jnp.float32),
                                 plgpu.Barrier(num_barriers=cfg.compute_wgs * n_q_max),
                                 # the dequantised tiles, unless they go to the wgmma from registers
                                 *(() if a_in_registers or w8a8 else (plgpu.SMEM(

@@ -179,6 +179,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+from pallas_kernels.block_scaled import dequantize_fp8, pow2_from_exponent
 from pallas_kernels.compat import transposed
 
 HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
@@ -198,34 +199,6 @@ WARPGROUP = 128   # threads
 # 88 (fp8 window, one item per CTA) and 276 (fp8, persistent) with 232 registers; 12, 32 and 236
 # with 240, which made the three 0.5%, 2.3% and 3.8% faster on the H200 (bench/RESULTS.md).
 PRODUCER_REGS, COMPUTE_REGS = 24, 240
-
-
-class Fp8Pool(NamedTuple):
-    """An fp8 KV pool (MODEL_SPEC §3.5, FP8 block 32 UE8M0): row ``r`` of K = V is
-    ``kv[r, c] * 2**(scale[r, c // 32] - 127)``. ``kv`` [N, D] float8_e4m3fn, ``scale``
-    [N, D // 32] uint8 exponents, ``idx`` [T, S] int32 in [-1, N). A plain 3-tuple
-    ``(kv, scale, idx)`` is the same thing; a bf16 pool is the 2-tuple ``(kv, idx)``."""
-    kv: jax.Array
-    scale: jax.Array
-    idx: jax.Array
-
-
-def ue8m0(scale):
-    """Power-of-two fp32 scales -> their UE8M0 exponent bytes (``2**(e - 127)``)."""
-    bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
-    return ((bits >> 23) & 0xFF).astype(jnp.uint8)
-
-
-def ue8m0_scale(e):
-    """UE8M0 exponent bytes -> fp32 ``2**(e - 127)``, built from the exponent bits (exact)."""
-    return lax.bitcast_convert_type(e.astype(jnp.int32) * (1 << 23), jnp.float32)
-
-
-def dequantize_fp8(kv, scale):
-    """``kv[..., c] * 2**(scale[..., c // 32] - 127)`` in fp32 (exact: e4m3 times a power of two)."""
-    *lead, d = kv.shape
-    s = ue8m0_scale(scale)
-    return (kv.astype(jnp.float32).reshape(*lead, d // 32, 32) * s[..., None]).reshape(*lead, d)
 
 
 class Fp8View(NamedTuple):
@@ -703,7 +676,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             e = scale_bytes[pl.ds(0, BLOCK_KV), col]
                         else:   # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
                             e = plgpu.load(scale_bytes, (pl.ds(0, BLOCK_KV), col), layout=ROW, optimized=False)
-                        return ue8m0_scale(e)
+                        return pow2_from_exponent(e)
 
                     pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
                     scales = [group_scales(gi) for gi in range(n_groups)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4 import E2M1, F16_SHIFT, Fp4Weight, e2m1_f16, mxfp4_parts
+from pallas_kernels.block_scaled import E2M1, F16_SHIFT, Fp4Weight, mxfp4_parts
+from pallas_kernels.fp4 import e2m1_f16
 
 
 def test_checkpoint_bytes_unpack_low_nibble_first():

@@ -12,7 +12,7 @@ import pytest
 from model.batch import pack_requests
 from model.forward import forward_jit
 from model.state import Fp8Ring, init_state
-from pallas_kernels.sparse_attention import dequantize_fp8
+from pallas_kernels.block_scaled import dequantize_fp8
 
 
 def _run(tiny, state, ids, calls):

@@ -18,8 +18,8 @@ import pytest
 import mega.attention
 import mega.moe
 from checkpoints.init import init_params
-from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import Fp8Rows, QuantizedWeight, grouped_matmul_reference, grouped_swiglu_reference
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
+from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 

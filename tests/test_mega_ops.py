@@ -12,7 +12,7 @@ from mega.engram import engram, lookup_rows
 from mega.mhc import Update, mhc_step
 import mega.moe
 from mega.moe import EXPERT_WEIGHTS, MoeSpec, QuantizedWeight, moe, quantize_experts
-from pallas_kernels.fp4 import Fp4Weight
+from pallas_kernels.block_scaled import Fp4Weight
 
 
 def rope_np(x, cos, sin, inverse=False):

@@ -13,7 +13,8 @@ import pytest
 import mega.attention as mega_attention
 from mega.attention import attention
 from model.quant import fp8_block32_parts
-from pallas_kernels.sparse_attention import Fp8Pool, dequantize_fp8, sparse_mqa, sparse_mqa_reference, ue8m0
+from pallas_kernels.block_scaled import Fp8Pool, dequantize_fp8, ue8m0
+from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
 
 _seeds = itertools.count(1000)
 

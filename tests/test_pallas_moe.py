@@ -15,9 +15,8 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 import mega.moe as moe_module
 from mega.moe import MoeSpec, aligned_layout, moe
-from pallas_kernels.fp4 import Fp4Weight
-from pallas_kernels.grouped_gemm import (Fp8Rows, GemmConfig, QuantizedWeight, grouped_matmul,
-                                         grouped_matmul_reference, grouped_swiglu,
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
+from pallas_kernels.grouped_gemm import (GemmConfig, grouped_matmul, grouped_matmul_reference, grouped_swiglu,
                                          grouped_swiglu_reference)
 
 INTERPRET = InterpretGPUParams(detect_races=True)

@@ -18,7 +18,7 @@ from model.dspark import propose, write_context
 from model.engram_vocab import engram_map_for
 from model.forward import forward
 from model.state import init_state
-from pallas_kernels.grouped_gemm import Fp8Rows
+from pallas_kernels.block_scaled import Fp8Rows
 from train import corpus, draft, loop, target
 from train.data import batches
 

@@ -24,7 +24,7 @@ from conftest import GOLDEN
 from model.config import ModelConfig
 from model.engram_vocab import engram_map_for
 from model.scoring import last_logits
-from pallas_kernels.fp4 import E2M1, Fp4Weight
+from pallas_kernels.block_scaled import E2M1, Fp4Weight
 from serve import generate
 
 TINY = GOLDEN / "v41_tiny"
