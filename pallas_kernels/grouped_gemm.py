@@ -43,7 +43,7 @@ SM take 16 rows per expert to 1.6x the fp8 roofline. Converting the next tile be
 for the last wgmma gave wrong results there: the compiler reuses the in-flight wgmma's
 registers.
 
-MXFP4 weights (``pallas_kernels.fp4.Fp4Weight``: e2m1 codes as int4, a UE8M0 scale per 32;
+MXFP4 weights (``block_scaled.Fp4Weight``: e2m1 codes as int4, a UE8M0 scale per 32;
 V4.1's expert format) run swapped, one compute warpgroup, in f16: each step's code tile is
 loaded in the 4-bit WGMMA layout, whose 32-bit words (codes stored in the kernel's order)
 turn into the f16 WGMMA-layout registers by a few bit moves each (``fp4.e2m1_f16_words``),
