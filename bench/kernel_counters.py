@@ -51,7 +51,8 @@ from gpu_common import run_info  # noqa: E402
 from pallas_kernels.block_scaled import Fp8Rows, QuantizedWeight  # noqa: E402
 from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
-from mega.moe import aligned_layout, kernel_configs  # noqa: E402
+from mega.moe import aligned_layout  # noqa: E402
+from pallas_kernels.grouped_gemm_tiles import tiles  # noqa: E402
 
 CASES = ("attn-decode-256", "attn-prefill-4096", "moe-256", "moe-1024", "moe-w8a8-1024")
 LIMIT = 10.0   # SwiGLU clamp, as moe_gpu.py
@@ -85,7 +86,7 @@ def moe_case(t, smoke, w8a8=False):
     xs = jax.random.normal(keys[0], (e * t, d), jnp.bfloat16)
     w1, w3 = (jax.random.normal(k, (e, i, d), jnp.bfloat16) * d ** -0.5 for k in keys[1:3])
     w2 = jax.random.normal(keys[3], (e, d, i), jnp.bfloat16) * i ** -0.5
-    up_cfg, down_cfg = kernel_configs(e * t, e, d, i, "w8a8" if w8a8 else "bf16")   # what mega.moe runs
+    up_cfg, down_cfg = tiles(e * t, e, d, i, "w8a8" if w8a8 else "bf16")   # what mega.moe runs
     gs = jnp.full((e,), t, jnp.int32)
     dest, block_expert, m_pad = aligned_layout(gs, e * t, up_cfg.rows, e)
     x_al = jnp.zeros((m_pad, d), xs.dtype).at[dest].set(xs)

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from mega import backend
 from mega.primitives import HIGHEST, linear
 from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
-from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu
+from pallas_kernels.grouped_gemm import grouped_matmul, grouped_swiglu
+from pallas_kernels.grouped_gemm_tiles import tiles
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # block-scaled expert formats: their weight type, and the block sizes their dimensions need
@@ -158,64 +159,6 @@ def aligned_layout(group_sizes: jnp.ndarray, n: int, block_rows: int, n_experts:
     return dest.astype(jnp.int32), block_expert.astype(jnp.int32), m_pad
 
 
-def kernel_configs(n_rows: int, n_experts: int, d: int, inter: int, fmt: str):
-    """(gate/up, down) Pallas block configs for these shapes, or None where the sizes do not
-    divide into their tiles.
-
-    From ``bench/moe_gpu.py`` on the H200 (bench/RESULTS.md): below 128 rows per expert the
-    weight stream is the bound; up to 16 rows per expert on average, swapped 32-row tiles (rows
-    as the wgmma's N; skewed loads put 2-3x the average on some experts) stream it best, above
-    that one warpgroup per 64-row tile (swapped or not: within the run-to-run spread); from
-    128 rows per expert two wgmma warpgroups fed by a TMA warpgroup win, each with 64 rows, in
-    the grouped tile order (bands of 8 row blocks: 3-11% faster than the same tiles ungrouped
-    at 1024 and 4096 rows per expert, 3-7% at 256, balanced and skewed).
-
-    fp8 and MXFP4 weights: swapped tiles of 64 weight rows at every size (the converted weight
-    tile is the wgmma's register operand). fp8: up to 64 rows per expert the steps are 128 deep
-    (32-row tiles up to 16 rows per expert: in three calls as fast as the best 16-row ones
-    balanced, and 14-25% faster skewed); above that, 128-row blocks 64 deep (each weight tile
-    converted half as often as with 64-row blocks: 19% faster at 256 rows, the largest size
-    timed). MXFP4: the best of each size in one call (16-row tiles 256 deep at 16 rows per
-    expert, 64 x 128 up to 64, then 128 x 64).
-    W8A8 ("w8a8", and fp8 at the smallest sizes): 32-row tiles up to 16 rows per expert, else
-    64 (each accumulator is held twice, the step's product and the sum, so 128-row tiles would
-    spill). Up to 16 rows per expert W8A8's gate/up tiles are 128 wide, one scale block of
-    ``h``, which their epilogue quantises: 5-9% less GPU time than 64-wide tiles and XLA's
-    requantisation; at 64 and 256 rows per expert 9-23% more (bench/RESULTS.md). From 256 rows
-    per expert the gate/up tiles are warp specialised (two compute warpgroups of 64 weight rows
-    each, 128 wide): 4-6% faster than one warpgroup at 256 and 1024 rows; the down projection's
-    are 34% slower than one warpgroup's, so it keeps those.
-    """
-    if fmt == "w8a8" and n_rows <= 16 * n_experts:
-        cfgs = GemmConfig(32, 128, 128, 4, swap_ab=True), GemmConfig(32, 128, 128, 3, swap_ab=True)
-    elif fmt == "w8a8" and n_rows >= 256 * n_experts:
-        cfgs = GemmConfig(64, 128, 128, 4, 2, "n", swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
-    elif fmt == "w8a8" or (fmt == "fp8" and n_rows <= 16 * n_experts):
-        rows = 32 if n_rows <= 16 * n_experts else 64
-        cfgs = GemmConfig(rows, 64, 128, 4, swap_ab=True), GemmConfig(rows, 128, 128, 3, swap_ab=True)
-    elif fmt == "mxfp4":   # (rows, deepest step); shallower where a small model's K needs it
-        per_expert = n_rows / n_experts
-        rows, deep = (16, 256) if per_expert <= 16 else (64, 128) if per_expert <= 64 else (128, 64)
-
-        def step(kk):
-            return next((b for b in (256, 128, 64) if b <= deep and kk % b == 0), 64)
-        cfgs = GemmConfig(rows, 64, step(d), 4, swap_ab=True), GemmConfig(rows, 128, step(inter), 3, swap_ab=True)
-    elif fmt == "fp8":
-        if n_rows <= 64 * n_experts:
-            cfgs = GemmConfig(64, 64, 128, 4, swap_ab=True), GemmConfig(64, 128, 128, 3, swap_ab=True)
-        else:
-            cfgs = GemmConfig(128, 64, 64, 4, swap_ab=True), GemmConfig(128, 128, 64, 3, swap_ab=True)
-    elif n_rows >= 128 * n_experts:
-        cfgs = GemmConfig(64, 128, 64, 4, 2, group_m=8), GemmConfig(64, 256, 64, 3, 2, group_m=8)
-    elif n_rows <= 16 * n_experts:
-        cfgs = GemmConfig(32, 64, 64, 6, swap_ab=True), GemmConfig(32, 128, 64, 6, swap_ab=True)
-    else:
-        cfgs = GemmConfig(64, 64, 64, 4), GemmConfig(64, 128, 64, 4)
-    fits = all(n % c.block_n == 0 and kk % c.block_k == 0
-               for c, n, kk in ((cfgs[0], inter, d), (cfgs[1], d, inter)))
-    return cfgs if fits else None
-
-
 class MoePlan(NamedTuple):
     """How ``moe`` runs: the kernels' format and block configs (None: the reference), whether the
     shared expert rides in the routed launches, and the choice in words."""
@@ -242,7 +185,7 @@ def plan(dtype, p: dict, spec: MoeSpec, n_rows: int) -> MoePlan:
         why = None if fmt else "W8A8 needs fp8 expert weights, routed and shared"
     if why is None and fmt is None:
         why = "the routed experts mix MXFP4 with other formats"
-    cfgs = None if why else kernel_configs(n_rows, n_experts, d, inter, fmt)
+    cfgs = None if why else tiles(n_rows, n_experts, d, inter, fmt)
     if why is None and cfgs is None:
         why = f"expert sizes {d} x {inter} do not divide into the {fmt} kernels' tiles"
     if why:

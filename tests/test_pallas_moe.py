@@ -258,7 +258,7 @@ def test_moe_pallas_path_matches_reference_path(monkeypatch, rng, w8a8, cfgs):
         assert rel(np.asarray(unrounded, np.float32), np.asarray(want, np.float32)) > 5e-3
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
     if cfgs is not None:
-        monkeypatch.setattr(moe_module, "kernel_configs", lambda *a: cfgs)
+        monkeypatch.setattr(moe_module, "tiles", lambda *a: cfgs)
     calls = []
     monkeypatch.setattr(moe_module, "grouped_swiglu", lambda *a, **k: calls.append(k) or grouped_swiglu(*a, **k))
     got = moe(x, p, spec)
