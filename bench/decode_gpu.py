@@ -5,9 +5,10 @@ Model (``bench/flash_rank.py``): all 40 layers at Flash widths, 6 routed experts
 the Engram rows; random weights in the release's format, loaded by ``Engine.from_model_dir``.
 The engine is the served one (``python -m serve --model DIR --enable-balanced-routing
 --speculative-algorithm DSPARK --speculative-num-draft-tokens 3`` plus the benchmark's fixed
-verification; decoder replay off, as it changes only the prefill pass the step is measured
-against, and its two programs a prefill shape cost compile time) with the seed's simulated accept length of 3.25), one process per Engram
+verification with the seed's simulated accept length of 3.25), one process per Engram
 placement (``device``: the rank's table rows in GPU memory; ``host``: in pinned host memory).
+Decoder replay is off: it changes only the prefill pass the step is measured against, and its
+two programs a prefill shape cost compile time.
 
 Workload: a shared prefix of ``--context`` tokens (128K) prefilled once through the engine, so it
 sits in the radix cache as any served prefix would (its prefill time is reported), then per
@@ -57,8 +58,9 @@ def run(args, placement: str):
     engine = Engine.from_model_dir(CKPT, EngineConfig(
         max_running=max(batches), max_len=args.context + 256, page_size=page,
         num_pages=args.context // page + max(batches) * per_request + 16, prefill_budget=256 if args.smoke else 8192,
-        dtype="bfloat16", balanced_routing=True, decoder_replay="off", speculative_algorithm="DSPARK", speculative_num_draft_tokens=DRAFTS,
-        speculative_fixed_verify=True, speculative_accept_length=ACCEPT, engram_placement=placement))
+        dtype="bfloat16", balanced_routing=True, decoder_replay="off", speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=DRAFTS, speculative_fixed_verify=True, speculative_accept_length=ACCEPT,
+        engram_placement=placement))
     yield "setup", {"init_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths,
                     "capacity": capacity(engine)}
     rng = np.random.default_rng(0)

@@ -198,7 +198,8 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
     ap.add_argument("--variants", default=variants)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=540, help="seconds per variant")
-    ap.add_argument("--deadline", type=int, default=10 ** 6, help="seconds the whole run may take (a device call's limit)")
+    ap.add_argument("--deadline", type=int, default=10 ** 6,
+                    help="seconds the whole run may take (a device call's limit)")
     ap.add_argument("--name", default=name, help="JSON file name under $OUT")
     for flag, kw in extra_args:
         ap.add_argument(flag, **kw)
@@ -232,9 +233,9 @@ def bench_main(script: str, name: str, variants: str, config, checkpoint_dir: Pa
             write(args.name, payload)
             continue
         cmd = [sys.executable, script, *sys.argv[1:], "--child", variant]
-        failed = _stream_child(cmd, child_env, min(args.timeout, left),
-                               partial(_record, runs=runs, ceil=ceil, variant=variant, save=lambda: write(args.name, payload)),
-                               out_dir() / f"{args.name}_{variant}.log")
+        record = partial(_record, runs=runs, ceil=ceil, variant=variant, save=lambda: write(args.name, payload))
+        log = out_dir() / f"{args.name}_{variant}.log"
+        failed = _stream_child(cmd, child_env, min(args.timeout, left), record, log)
         if failed:
             runs["error"] = failed
             print(variant, "FAILED", failed[-1500:], flush=True)

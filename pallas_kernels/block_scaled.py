@@ -38,8 +38,9 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 # so it rounds up (>=) where the upper code is even
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIE_UP = (False, True, False, True, False, True, False)
-# ``fp4.e2m1_f16`` (the kernels' conversion) moves E and m to f16's lowest exponent bits and its top mantissa bit, which gives
-# the e2m1 value times 2^-14 (E = 0 lands on f16's subnormal 2^-14 * m/2, with the same factor)
+# ``fp4.e2m1_f16`` (the kernels' conversion) moves E and m to f16's lowest exponent bits and
+# its top mantissa bit, which gives the e2m1 value times 2^-14 (E = 0 lands on f16's subnormal
+# 2^-14 * m/2, with the same factor)
 F16_SHIFT = 14
 
 
