@@ -92,7 +92,9 @@ class Server:
         return app
 
     async def _start(self, app) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.start)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.tokenizer.start)
+        await loop.run_in_executor(None, self.engine.max_token_chars)   # a vocabulary scan: not on a request
         if self.pd is not None:
             await self.pd.start()
         self.engine.start()
