@@ -56,7 +56,8 @@ from gpu_common import (ceilings, gpu_timeline, rel_err, run_info, time_jax_one_
                         time_jax_sets, write)
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
-    STAGES, auto_splits, sparse_mqa, sparse_mqa_reference)
+    STAGES, sparse_mqa, sparse_mqa_reference)
+from pallas_kernels.sparse_attention_tiles import launch  # noqa: E402
 from model.quant import fp8_block32_parts  # noqa: E402
 from pallas_kernels.block_scaled import Fp8Pool, ue8m0  # noqa: E402
 
@@ -150,7 +151,8 @@ def run(args):
             t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
             case["T"] = t
             q0, w0, c0 = draw(1)
-            case["kernel_splits"] = auto_splits(t, h, [(wkv, w0), (ckv, c0)], getattr(jax.devices()[0], "core_count", 0))
+            chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
+            case["kernel_splits"] = launch(t, h, chunks, getattr(jax.devices()[0], "core_count", 0)).splits
             n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
             kv_bytes = (n_w + n_c) * d * 2
             kv8_bytes = n_w * (d + d // 32) + n_c * d * 2        # fp8 window rows + their scale bytes
@@ -180,7 +182,6 @@ def run(args):
             return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, **kw)),
                     jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, **kw)))
         kernel, kernel8 = kernels()
-        chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
         chosen = [(f"pallas_bf16[splits={k}]", f"pallas_fp8[splits={k}]", *kernels(splits=k)) for k in args.splits
                   if k != case["kernel_splits"] and (k - 1) * -(-chunks // k) < chunks]   # every split non-empty
         if args.per_item and case["kernel_splits"] == 1:   # against the persistent grid: one CTA per item

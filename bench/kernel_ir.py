@@ -156,7 +156,7 @@ def main() -> int:
     if args.compare is None:
         json.dump(result, sys.stdout, indent=1)
         return 0
-    before = json.loads(args.compare.read_text())
+    before = {k: v for k, v in json.loads(args.compare.read_text()).items() if args.only in k}
     changed = sorted(k for k in result.keys() | before.keys() if result.get(k) != before.get(k))
     for name in changed:
         print(f"changed: {name}: {before.get(name)} -> {result.get(name)}")

@@ -8,159 +8,67 @@ RoPE; MODEL_SPEC §3.6): for each query token ``t`` and head ``h``::
 
 over one or more KV pools (window ring, compressed pages), K = V. Fully masked rows give 0.
 
-Design (one CTA per (query token, group of 64 heads), or persistent CTAs; 3 warpgroups)
---------------------------------------------------------------------------------------
-* MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
-  FlashMLA); keys stream through in chunks of ``BLOCK_KV = 64`` gathered rows with an online
-  softmax. The sink is folded in as the softmax's starting state (running max ``m = sink``,
-  running sum ``l = 1``, ``acc = 0``), so it costs nothing per chunk and a fully masked row
-  ends at ``acc / l = 0``.
-* Gather. Hopper has no TMA gather, and wgmma wants its operands in 8-row tiles with a
-  128-byte swizzle. The producer warpgroup's 128 threads therefore copy the chunk in 16-byte
-  ``cp.async`` pieces (Mosaic GPU code inlined through ``plgpu.inline_mgpu``), each piece
-  straight to its swizzled place in the tile: nothing re-lays the rows afterwards (FlashMLA's
-  Hopper sparse kernel gathers the same way). Eight consecutive threads take the eight
-  pieces of a row's 128-byte line, so a warp's copy instruction reads four whole lines (the
-  fewest L1 requests for 512 bytes), and the swizzle spreads the shared writes over all banks.
-  Two threads per row (a warp's copy then touched 16 lines, 32 bytes of each) made the
-  gather, not the MMAs, the bound: 13-17% slower on the H200 (bench/RESULTS.md).
-* Two K/V slots. While the compute warpgroups work on chunk g in one slot, chunk g+1's rows
-  land in the other. The producer, per chunk: waits for the slot to be released (the
-  compute warpgroups arrive on its "free" barrier after their P @ V), issues the chunk's
-  copies, and has each of its threads arrive on the slot's "full" mbarrier through
-  ``cp.async.mbarrier.arrive.noinc``, an arrival that happens when that thread's copies
-  have landed: the producer never waits for its own copies, and the compute warpgroups
-  start on a chunk as soon as its last row is in (they fence it for the tensor cores).
-  Each thread's place in the tile is computed once per chunk, and its four rows' source
-  addresses once per row; its 32 copies are constant offsets from them. Row ids come through
-  shared memory (a scalar global load per row would serialise DRAM round trips), fetched by
-  TMA one chunk ahead into three slots: a slot is refilled only after both compute
-  warpgroups have released the chunk that read it.
-* The fp32 output accumulator [64, 512] needs 256 registers per thread in one warpgroup, so
-  the two compute warpgroups split D: warpgroup w owns columns ``[w*D/2, (w+1)*D/2)`` of
-  Q, of K = V and of the output (each K/V slot holds the two halves as separate tiles).
-  QK^T then yields only a partial logit tile per warpgroup (contraction over its half of D);
-  the two halves are exchanged through 2 x 16 KB of shared memory and summed (fp32 addition
-  commutes, so both warpgroups get bitwise the same logits, hence the same softmax). Each
-  warpgroup then runs P @ V on its own D half: no redundant MMA work.
-* FP8 pools (MODEL_SPEC §3.5: e4m3 values, one power-of-two scale per 32 channels stored as
-  its UE8M0 exponent byte; V4.1 keeps its window KV so): the producer copies each row's D
-  fp8 bytes, split in halves, into a row-major fp8 view of the slot that lies inside the
-  half-tile of the warpgroup that owns them (rows padded to D/2 + 16 bytes, which keeps the
-  WGMMA-layout reads conflict free), and the row's D/32 scale bytes into that padding.
-  Before its QK^T each compute warpgroup dequantises its half in place: it loads the fp8
-  values and its scale bytes into registers, syncs its four warps, converts
-  (e4m3 -> f32, times 2^(e - 127), -> bf16: exact, since e4m3 times a power of two fits
-  bf16) and stores the bf16 tile over the same bytes. From there on the chunk is a bf16
-  chunk, so an fp8 pool gives the same result as the bf16 pool of its dequantised values.
-  Gathered bytes per row: D + D/32 instead of 2 D.
-* Small batches (flash-decoding): with fewer query tokens than SMs, ``splits`` CTAs share a
-  token's key chunks; each starts from an empty softmax (split 0 from the sink), writes its
-  normalised partial output with its running max and sum, and an XLA pass weights and sums
-  the partials (a few hundred KB at decode sizes).
-* Persistent CTAs (``ctas``): with one split, a grid of one CTA per SM, each taking every
-  ``ctas``-th (query token, head group) item. Chunk numbers, K/V slots, id slots and barrier
-  phases run on from one item to the next, so the producer gathers the next item's first
-  chunks while the compute warpgroups finish the last one, and it loads the next q into the
-  output tiles' shared memory once their stores have read them (a "q free" barrier). Measured
-  on the H200 against one CTA per item (bench/RESULTS.md, same call, GPU busy time): bf16
-  pools 2.5-5% faster (decode 256 requests, prefill 4K and 16K). With an fp8 window pool the
-  compute warpgroups spill more (ptxas: 236 bytes against 32 per item: the in-place
-  dequantisation holds a half-chunk of fp8 values and scales beside the accumulator, and the
-  loop adds its state); that made it 2-6% slower while the gather was the bound. Since the
-  gather reads whole lines it is 1-4% faster at decode 128-256 and prefill 4K and 64K, level
-  at decode 32-64 and 2% slower at prefill 16K (three calls). So ``ctas=None`` is persistent
-  for every pool kind.
-* Fused: gather + (fp8 dequant) + QK^T + mask + sink + online softmax + PV + normalisation +
-  bf16 cast in one launch. Not fused (they stay in ``mega.attention`` / XLA): query RoPE,
-  inverse output RoPE, the MXFP8 output cast (MODEL_SPEC §9 lists them in MegaAttention;
-  they are elementwise passes over q/o, ~1/10 of the KV bytes at S=640).
-
-Shared memory at H=64, D=512 (per CTA, limit 227 KB on H200): Q 2 x 32 KB (per warpgroup,
-reused for its output tile) + K/V 2 slots x 2 halves x 32 KB + logit exchange 2 x 16 KB
-(swizzled) + 1 KB for three chunks' row ids and the sink + 1 KB for the two "full"
-mbarriers = 226 KB. The fp8 view of the slots is a ``plgpu.RefUnion`` member over the same
-bytes (``Fp8View``: rows of D/2 + 16 bytes, each (slot, half) region of 64 rows inside its
-own bf16 half-tile, so a warpgroup's in-place dequantisation never touches another region).
-Registers per compute thread: acc 128 (fp32 [64, 256]) + logits 32 + P 16, or during an fp8
-dequant the acc + 64 for the fp8 half + 16 scales.
-
-Where the time goes (H200, stage removal, bench/RESULTS.md). Since the gather reads whole lines
-(commit ``0e3db46``), leaving out the row copies saves 3% at prefill 4K and nothing at
-decode-256; leaving out the logit exchange saves 21% and 11%, the MMAs 43% and 17%. So a chunk
-is bound by the compute warpgroups' chain (QK^T, exchange, softmax, P @ V in lockstep), not by
-the bytes: at decode-256 the kernel moves from DRAM what the roofline counts (Nsight Compute:
-691 MB against 692) at 60% of the DRAM peak, with the tensor pipe busy 39% of the cycles. Having
-each warpgroup compute the whole QK^T instead (no exchange, 1.5x the MMA work), alone or with
-the warpgroups taking turns at it (FlashAttention-3's ping-pong), was within the spread (-5% to
-+7% at prefill 4K by wall clock and profiler, +-1% at decode-256). Everything below was measured
-with the old gather (two threads per row), which hid part of each chunk's cost behind the
-copies, so its verdicts on schedules need retiming.
-
-With the old gather: the row copies, the MMAs and the logit exchange added up almost exactly,
-i.e. they barely overlapped. Per 64-key chunk the MMAs read 192 KB of shared memory (QK^T at
-N=64 reads both operands from it: 16 MACs per byte, which is what the tensor cores consume at
-the 128 B/clock shared-memory rate), the exchange moves 64 KB and the copies write 64 KB, so
-shared-memory bandwidth, not the tensor cores, bounds a chunk; and both compute warpgroups run
-QK^T, softmax and P @ V in lockstep, so the tensor cores idle during the softmax. FlashMLA's
-split (each warpgroup computes the full-D QK^T and softmax of every other chunk and publishes
-P, 8 KB, instead of exchanging fp32 partial logits) was tried and measured 1.3x slower
-(bench/RESULTS.md): the softmax steps then form one chain that alternates between the
-warpgroups through shared memory and barriers, and that chain, not the tensor cores, set the
-pace. FlashMLA keeps the tensor cores busy through the chain by issuing a warpgroup's next QK^T
-before it waits on the other's softmax; with whole-slot barriers that next chunk (two ahead)
-waits for the slot both warpgroups' P @ V of the current chunk still read, and a whole gather
-(FlashMLA frees and refills each D half of a slot on its own: see "Next" below). Timed at 4, 10
-and 25 chunks per query, a CTA costs 3.15 us per chunk plus 4 us (prefill; 8-9 us at decode,
-launch included), so a persistent grid that hid one token's prologue and epilogue behind the
-previous token's chunks would save at most ~11% (prefill) to ~20% (decode); the persistent grid
-above saves about 3% (it still waits for each item's q, and a chunk's cost is unchanged).
-Overlapping one chunk's softmax with the next chunk's QK^T (FlashAttention-3's order) needs
-that chunk landed a step earlier, i.e. a third 64 KB K/V slot, and the kernel already uses 226
-of 227 KB; smaller chunks in more slots pay more than the overlap gains (branch
-``split-d-pipe``, below). Keeping each chunk's P @ V in flight until the next chunk's QK^T (an
-in-place accumulator) was measured no faster (bench/RESULTS.md): the wgmma wait between them is
-not the cost. Nsight Compute agrees (bench/RESULTS.md): the tensor pipe is busy 33-34% of the
-cycles at decode and prefill, and the compute warps' stall samples in the key loop sit at the
-first exchange barrier (17%: the two warpgroups' QK^T share the tensor cores, so one waits for
-the other's), on P @ V's and QK^T's completion (14% and 6.5%), and on the shared-memory loads
-of the row ids and the zero word (11%). Reading those while QK^T runs, and a named barrier for
-the exchange, moved the stalls without making a chunk shorter (branch ``ids-named-barrier``).
-
-Next (on branches, not on main): FlashMLA's Hopper sparse prefill kernel
-(``csrc/sm90/prefill/sparse``, the same problem at D = 512: 64 heads per CTA, 64-key blocks,
-two K/V slots, 640 TFLOP/s on an H800) runs the split we tried without the chain stalling,
-through four things our attempt lacked: (1) a one-way max dependency: warpgroup 0 uses its own
-running max and publishes it, warpgroup 1 takes the larger of that and its own, and warpgroup
-0 later rescales its P and output by the difference, so no softmax waits on a round trip; (2)
-each warpgroup issues its own block's P @ V from registers right after its softmax, before any
-wait on the other; only the peer's P (8 KB bf16) goes through shared memory; (3) warpgroup 0
-issues the next even block's QK^T right behind its last P @ V; (4) each K/V slot's two D
-halves have their own "full" and "free" barriers, so a half is refilled as soon as its readers
-are done and the early QK^T starts on a half-landed block. Shared memory: q 64 KB + two slots
-128 KB + two P tiles 16 KB, about 210 KB. A first version with (1) and (2) (branch
-``seesaw-wip``) is correct in the interpreter and on the H200, and 1.2-1.7x slower than split
-D (bench/RESULTS.md): without (3) and (4) each pair's hand-offs leave the tensor cores idle.
-With (3) and (4) as well (branch ``seesaw2``) and its tiles indexed through a zero loaded in
-each pair (static tile refs make all 64 wgmma descriptors of a QK^T loop-invariant, and LLVM
-hoisted them into 128 registers: the PTX showed it), it runs level with split D at prefill and
-8% behind at decode-256, and still spills 416 bytes per compute thread (bench/RESULTS.md).
-Split D indexes q's tile the same way: its 16 descriptors were hoisted too (32 registers);
-without them it does not spill. Branch ``split-d-pipe`` keeps split D and overlaps within
-each warpgroup instead: 32-key chunks in four slots (the same 128 KB), chunk g+1's QK^T issued
-before chunk g's exchange and softmax. The overlap gains 2.5%, but an N = 32 QK^T reads q from
-shared memory twice as often per key (192 B/clock at the tensor peak, against 128), and the
-branch is 3% slower than main at decode-256 and 2-5% at prefill 4K (bench/RESULTS.md).
-
 Contract: ``q`` [T, H, D] bf16 with H % 64 == 0, D % 128 == 0 and D <= 512 (the accumulator's
 registers); ``pools`` a sequence of
   * bf16 pools ``(kv, idx)``: ``kv`` [N, D] bf16, or
   * fp8 pools ``Fp8Pool(kv, scale, idx)`` (or the plain tuple ``(kv, scale, idx)``): ``kv``
     [N, D] float8_e4m3fn, ``scale`` [N, D // 32] uint8 UE8M0 exponents (the scale is
-    2^(e - 127); ``ue8m0`` converts power-of-two fp32 scales such as
-    ``model.quant.fp8_block32_parts`` makes);
+    2^(e - 127); ``block_scaled.ue8m0`` converts power-of-two fp32 scales);
 each with ``idx`` [T, S] int32, entries in [-1, N) (masked slots fetch row 0, which keeps
 P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kinds in any order.
+Tuning and launch: ``sparse_attention_tiles``.
+
+Design: one CTA item per (query token, group of 64 heads[, key split]); three warpgroups
+-------------------------------------------------------------------------------------
+* MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
+  FlashMLA); keys stream through in chunks of ``block_kv`` gathered rows with an online
+  softmax. The sink is the softmax's starting state (running max ``m = sink``, sum ``l = 1``,
+  ``acc = 0``): free per chunk, and a fully masked row ends at ``acc / l = 0``.
+* Gather: Hopper has no TMA gather, and wgmma wants 8-row tiles with a 128-byte swizzle. The
+  producer warpgroup's 128 threads copy each chunk in 16-byte ``cp.async`` pieces (Mosaic GPU
+  code inlined through ``plgpu.inline_mgpu``), each piece straight to its swizzled place, eight
+  consecutive threads per 128-byte line, so a warp's copy reads four whole lines (the fewest L1
+  requests) and the swizzle spreads the shared writes over all banks.
+* Two K/V slots: while the compute warpgroups work on chunk g in one, chunk g+1 lands in the
+  other. Each producer thread arrives on the slot's "full" mbarrier through
+  ``cp.async.mbarrier.arrive.noinc`` (an arrival when its copies have landed), so the producer
+  never waits on its own copies; the compute warpgroups release a slot on its "free" barrier
+  after their P @ V. Row ids come through shared memory, fetched by TMA one chunk ahead into
+  three slots (a scalar global load per row would serialise DRAM round trips).
+* Split D: the fp32 accumulator [64, 512] needs 256 registers per thread, so the two compute
+  warpgroups own half of D each (of Q, of K = V and of the output). QK^T yields partial logits
+  per warpgroup; the halves are exchanged through shared memory and summed (bitwise the same
+  logits in both, hence the same softmax), and each runs P @ V on its own half.
+* FP8 pools (MODEL_SPEC §3.5; V4.1 keeps its window KV so): the producer copies each row's D
+  fp8 bytes, in halves, into a row-major fp8 view inside the owning warpgroup's half-tile (rows
+  padded to D/2 + 16 bytes: conflict-free WGMMA-layout reads, and the padding holds the row's
+  D/32 scale bytes). Each compute warpgroup dequantises its half in place before its QK^T
+  (e4m3 times 2^(e - 127) is exact in bf16), so an fp8 pool gives bitwise the result of the
+  bf16 pool of its dequantised values, for D + D/32 gathered bytes a row instead of 2 D.
+* Small batches (flash-decoding): ``splits`` CTAs share a query's chunks, each starting from
+  an empty softmax (split 0 from the sink) and writing its normalised partial with its running
+  max and sum; an XLA pass weights and sums them.
+* Persistent grid (``ctas`` below the items): each CTA takes every ``ctas``-th item; chunk
+  numbers, slots, id slots and barrier phases run on across items, so the producer gathers the
+  next item's first chunks (and loads its q once the output tiles are stored) while the compute
+  warpgroups finish the last.
+* Fused: gather, fp8 dequantisation, QK^T, mask, sink, online softmax, P @ V, normalisation,
+  bf16 cast. Not fused (``mega.attention`` / XLA): query RoPE, inverse output RoPE, the MXFP8
+  output cast (elementwise passes over q and o, ~1/10 of the KV bytes at S = 640).
+
+Shared memory at H = 64, D = 512 (227 KB on the H200): q 2 x 32 KB (per warpgroup, reused
+for its output tile) + K/V 2 slots x 2 halves x 32 KB + logit exchange 2 x 16 KB + 1 KB of
+row ids and sink + 1 KB of barriers = 226 KB. The fp8 view is a ``plgpu.RefUnion`` member over
+the slots' bytes (``Fp8View``). Registers per compute thread: acc 128 + logits 32 + P 16, or
+during an fp8 dequantisation acc + 64 for the fp8 half + 16 scales.
+
+Where the time goes (H200, bench/RESULTS.md "MegaAttention", which also records the schedules
+tried): a chunk is bound by the compute warpgroups' chain (QK^T, exchange, softmax, P @ V in
+lockstep), not by bytes: at decode-256 the kernel moves what the roofline counts at 60% of the
+DRAM peak with the tensor pipe busy 39% of the cycles; removing the exchange saves 21% (prefill
+4K), the MMAs 43%, the row copies 3%. A third K/V slot, which would overlap one chunk's softmax
+with the next QK^T, does not fit; FlashMLA's alternating-warpgroup schedule (seesaw), 32-key
+chunks in four slots, P @ V kept in flight and ping-pong were each measured level or slower.
 """
 from __future__ import annotations
 
@@ -181,11 +89,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels.block_scaled import dequantize_fp8, pow2_from_exponent
 from pallas_kernels.compat import transposed
+from pallas_kernels.sparse_attention_tiles import HEADS, TUNING, launch
 
-HEADS = 64        # wgmma M: one CTA handles 64 heads of one token
-BLOCK_KV = 64     # gathered rows per chunk (the WGMMA layout used by the fp8 dequant is 64 rows)
-SLOTS = 2         # K/V tile slots: one being filled while the other is computed on
-ID_SLOTS = 3      # row-id slots: one chunk ahead of the copies, which run one ahead of compute
+BLOCK_KV, SLOTS, ID_SLOTS = TUNING.block_kv, TUNING.slots, TUNING.id_slots
 LOG2E = math.log2(math.e)
 NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX - NO_MAX) = 1
 # fp8 rows in a slot are D/2 + 16 bytes apart: reading a 64x64 block in the WGMMA layout
@@ -194,11 +100,7 @@ NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX 
 FP8_PAD = 16
 COPY = 16         # bytes per cp.async piece
 WARPGROUP = 128   # threads
-# Registers per thread after setmaxnreg (2 x compute + producer <= 512: 64K per SM over 3 x 128
-# threads). The compute warpgroups spill (ptxas): at 4096 prefill tokens 32 bytes (bf16, persistent),
-# 88 (fp8 window, one item per CTA) and 276 (fp8, persistent) with 232 registers; 12, 32 and 236
-# with 240, which made the three 0.5%, 2.3% and 3.8% faster on the H200 (bench/RESULTS.md).
-PRODUCER_REGS, COMPUTE_REGS = 24, 240
+PRODUCER_REGS, COMPUTE_REGS = TUNING.producer_regs, TUNING.compute_regs
 
 
 class Fp8View(NamedTuple):
@@ -430,12 +332,12 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
 
     ``splits`` > 1 divides each query's key chunks over that many CTAs (flash-decoding, for
     batches too small to fill the GPU); each writes its normalised partial output and its
-    softmax statistics, and one XLA pass combines them. ``None``: ``auto_splits`` for this
-    GPU's SM count (1 when interpreted).
+    softmax statistics, and one XLA pass combines them.
 
     ``ctas``: CTAs of the grid, each taking every ``ctas``-th (query token, head group, split)
-    item in turn (persistent when fewer than the items; only with one split). ``None``: one per
-    SM on the GPU with one split, else one per item (see the module docstring).
+    item in turn (persistent when fewer than the items; only with one split).
+
+    ``None`` for either: ``sparse_attention_tiles.launch`` for this GPU's SM count.
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
     result wrong: the row copies (the slot is still handed over), the in-place fp8
@@ -458,19 +360,18 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                              f"{(kv.shape[0], d // 32)} (see ue8m0)")
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
-    if splits is None:
-        splits = auto_splits(t_len, n_heads, pools, n_sms)
+    n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
+    chosen = launch(t_len, n_heads, sum(n_chunks), n_sms, splits)
+    splits = chosen.splits
     if t_len == 0:
         return jnp.zeros_like(q)
-    n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
     chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
     per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
     if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
                          f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
     n_items = n_heads // HEADS * splits * t_len
-    if ctas is None:
-        ctas = min(n_items, n_sms) if splits == 1 and n_sms and sum(n_chunks) else n_items
+    ctas = chosen.ctas if ctas is None else ctas
     # (a later item's q is loaded after its first chunk's copies: items without chunks get one CTA each)
     if not 1 <= ctas <= n_items or ((splits > 1 or not sum(n_chunks)) and ctas < n_items):
         raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
@@ -843,14 +744,3 @@ def _combine_splits(parts, stats):
     w = l * jnp.exp2(m - m.max(0))
     out = jnp.einsum("sth,sthd->thd", w / w.sum(0), parts.astype(jnp.float32))
     return out.astype(parts.dtype)
-
-
-def auto_splits(t_len: int, n_heads: int, pools: Sequence, n_sms: int) -> int:
-    """Key splits per query that fill ``n_sms`` CTAs' worth of work when ``t_len`` queries do
-    not: the CTA count rounded down, with chunks spread evenly (each split gets >= 1)."""
-    chunks = sum(-(-_split_pool(p)[2].shape[1] // BLOCK_KV) for p in pools)
-    if not chunks:
-        return 1
-    want = max(1, min(chunks, n_sms // max(1, t_len * n_heads // HEADS)))
-    per = -(-chunks // want)
-    return -(-chunks // per)

@@ -215,11 +215,14 @@ def test_no_key_chunks_and_no_tokens(gpu_interpret):
     assert sparse_mqa(q[:0], [(pools[0][0], pools[0][1][:0])], sink, 1.0).shape == (0, 64, 128)
 
 
-def test_auto_splits_fills_the_sms_at_small_batch_only():
-    from pallas_kernels.sparse_attention import auto_splits
-    pools = lambda t: [(None, jnp.zeros((t, 128), jnp.int32)), (None, jnp.zeros((t, 512), jnp.int32))]  # noqa: E731
-    assert auto_splits(32, 64, pools(32), 132) == 4      # 10 chunks as 3+3+3+1 over 4 CTAs per token
-    assert auto_splits(8, 64, pools(8), 132) == 10       # one chunk each
-    assert auto_splits(128, 64, pools(128), 132) == 1    # the tokens alone fill the GPU
-    assert auto_splits(32, 128, pools(32), 132) == 2     # two head groups per token count too
-    assert auto_splits(32, 64, pools(32), 0) == 1        # no SM count (interpreted): no split
+def test_launch_splits_keys_at_small_batch_only_and_is_persistent_otherwise():
+    from pallas_kernels.sparse_attention_tiles import Launch, launch
+    chunks = 128 // 64 + 512 // 64                         # a window of 128 and 512 compressed rows
+    assert launch(32, 64, chunks, 132) == Launch(4, 128)   # 10 chunks as 3+3+3+1 over 4 CTAs per token
+    assert launch(8, 64, chunks, 132) == Launch(10, 80)    # one chunk each
+    assert launch(128, 64, chunks, 132) == Launch(1, 128)  # the tokens alone fill the GPU
+    assert launch(4096, 64, chunks, 132) == Launch(1, 132)  # persistent: one CTA per SM
+    assert launch(32, 128, chunks, 132) == Launch(2, 128)  # two head groups per token count too
+    assert launch(32, 64, chunks, 0) == Launch(1, 32)      # no SM count (interpreted): no split, a CTA an item
+    assert launch(32, 64, 0, 132) == Launch(1, 32)         # no key chunk: a CTA an item
+    assert launch(32, 64, chunks, 132, splits=2) == Launch(2, 64)
