@@ -127,8 +127,9 @@ def _unescape(s: str) -> bytes:
     return bytes(out)
 
 
-def fingerprints(fn, args) -> list[str]:
-    """The hash of each Mosaic GPU module ``fn`` lowers to for CUDA, printed without locations."""
+def fingerprints(fn, args, dump: Path | None = None) -> list[str]:
+    """The hash of each Mosaic GPU module ``fn`` lowers to for CUDA, printed without locations
+    (with ``dump``, the text itself is written there under its hash, for diffing)."""
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     ctx = jax_mlir.make_ir_context()
     ctx.allow_unregistered_dialects = True   # the kernel's stable_mosaic_gpu wrapper ops
@@ -138,6 +139,9 @@ def fingerprints(fn, args) -> list[str]:
         for raw in _MODULE.findall(text):
             asm = ir.Module.parse(_unescape(raw)).operation.get_asm(enable_debug_info=False)
             out.append(hashlib.sha256(asm.encode()).hexdigest()[:16])
+            if dump is not None:
+                dump.mkdir(parents=True, exist_ok=True)
+                (dump / f"{out[-1]}.mlir").write_text(asm)
     if not out:
         raise RuntimeError("no Mosaic GPU kernel in the lowered module")
     return out
@@ -147,11 +151,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", type=Path, help="a previous run's JSON: exit 1 if any variant differs")
     ap.add_argument("--only", default="", help="variants whose name contains this")
+    ap.add_argument("--dump", type=Path, help="write each module's text to this folder")
     args = ap.parse_args()
     result = {}
     for name, fn, shapes in [*gemm_variants(), *attention_variants()]:
         if args.only in name:
-            result[name] = fingerprints(fn, shapes)
+            result[name] = fingerprints(fn, shapes, args.dump)
             print(f"{name}: {' '.join(result[name])}", file=sys.stderr, flush=True)
     if args.compare is None:
         json.dump(result, sys.stdout, indent=1)
