@@ -2,7 +2,8 @@
 
 ``MEGAJAX_KERNELS`` chooses: ``auto`` (default: kernels on GPU, references elsewhere),
 ``pallas`` (kernels wherever lowering is possible), ``reference``, or ``interpret`` (the
-kernels through the Mosaic GPU interpreter on CPU: slow, for tests). Kernels also need
+kernels through their interpreters on CPU, Mosaic GPU's or Pallas' own for the Triton-backend
+ones: slow, for tests). Kernels also need
 bf16 activations and tile-divisible shapes; each operator falls back to its reference
 otherwise, so tiny fp32 test models keep the exact reference numerics. The choice is made
 when an operator is traced: jitted callers keep the choice of their first trace.
@@ -49,6 +50,11 @@ def kernels_off() -> str | None:
     if m in ("pallas", "interpret"):
         return None
     return "no GPU" if os.environ.get("MEGAJAX_KERNELS", "auto") == "auto" else f"MEGAJAX_KERNELS={m}"
+
+
+def interpreting() -> bool:
+    """``interpret=`` argument for the Triton-backend kernels: whether to run them interpreted."""
+    return mode() == "interpret"
 
 
 def interpret_params():

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mega.attention import attention
+from mega.indexer import index_scores
 from mega.primitives import HIGHEST, apply_rope, linear, rms_norm
 from model import quant
 from model.batch import StepInfo
@@ -96,16 +97,6 @@ def index_keys(latent: jnp.ndarray, p: dict, positions: jnp.ndarray, cfg: ModelC
     return quant.fp4_block32(apply_rope(k, cos, sin))
 
 
-# Bytes the indexer's per-token intermediates may take in one pass: each scored token gathers
-# its request's keys ([N, d], counted as fp32: bf16 with the FP4 quantiser on) and keeps
-# per-head scores ([H, N] fp32) up to the head sum. Past this (long contexts times
-# prefill-sized steps: 128K context scores 409 tokens a pass) the step's tokens are scored in
-# chunks, so memory stays bounded; the chunks are a loop, which the GPU runs from the host,
-# so decode-sized steps should stay below it.
-# (A fused indexer kernel, reading each request's keys once, is what would make this fast.)
-INDEX_PASS_BYTES = 8 << 30
-
-
 def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: ModelConfig):
     """The indexer's queries ``[T, H, d]`` (RoPE, FP4) and head weights ``[T, H]``, in fp32."""
     t = r.shape[0]
@@ -114,23 +105,6 @@ def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: 
     q = quant.fp4_block32(apply_rope(q, cos[:, None], sin[:, None]))
     w = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
     return q.astype(jnp.float32), w
-
-
-def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """``[N]`` scores of one query (``q [H, d]``, head weights ``w [H]``) against ``keys [N, d]``.
-
-    With the FP4 quantiser on (``quant.fp4_block32_active``) q and the keys hold e2m1 values
-    times powers of two, which bf16 represents exactly, and the products of two of them fit
-    fp32 exactly: so the dot products run on bf16 operands with fp32 accumulation (the tensor
-    cores on a GPU, instead of fp32 FMAs) and differ from fp32 ones at most in summation order.
-    """
-    if quant.fp4_block32_active(cfg.index_head_dim):
-        s = jnp.einsum("hd,nd->hn", q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16),
-                       preferred_element_type=jnp.float32)
-    else:
-        s = jnp.einsum("hd,nd->hn", q, keys.astype(jnp.float32), precision=HIGHEST)
-    s = jax.nn.relu(s) * cfg.index_head_dim ** -0.5
-    return jnp.einsum("h,hn->n", w, s, precision=HIGHEST)
 
 
 def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
@@ -226,19 +200,13 @@ def _window(kv: jnp.ndarray, ring, info: StepInfo):
 
 @jax.named_scope("indexer")  # prefixes its ops' names in HLO dumps and XProf
 def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -> Published:
-    t, n = x.shape[0], state.capacity // ratio
+    n, b = state.capacity // ratio, state.batch_size
     entries = jnp.arange(n, dtype=jnp.int32)
     q, w = index_queries(r, x, p, info, cfg)
-
-    def score(q_t, w_t, slot_t):  # one token against every entry of its request
-        return index_scores(q_t, w_t, pool_k[entry_rows(state, ratio, slot_t[None], entries[None])[0]], cfg)
-
-    chunk = max(1, INDEX_PASS_BYTES // (4 * n * (cfg.index_head_dim + cfg.index_n_heads)))
-    scores = (jax.vmap(score)(q, w, info.slot) if chunk >= t
-              else jax.lax.map(lambda a: score(*a), (q, w, info.slot), batch_size=chunk))
+    rows = entry_rows(state, ratio, jnp.arange(b, dtype=jnp.int32), jnp.broadcast_to(entries, (b, n)))
     visible = (info.pos + 1) // ratio
+    scores = index_scores(q, w, pool_k, rows, info.slot, visible, quant.fp4_block32_active(cfg.index_head_dim))
     is_visible = entries[None] < visible[:, None]
-    scores = jnp.where(is_visible, scores, -jnp.inf)
     cand = published.candidates
     if layer == cfg.candidate_source_layer_id:
         cand = candidate_blocks(scores, visible, cfg)

@@ -1,7 +1,8 @@
 """Which implementation each mega operator takes in a model's steps, in words, for the start-up log.
 
 The operators choose when they are traced (``mega.backend``); this asks the same functions
-they ask (``mega.attention.kernel_path``, ``mega.moe.plan``) with the model's own operands, so
+they ask (``mega.attention.kernel_path``, ``mega.indexer.kernel_path``, ``mega.moe.plan``) with the
+model's own operands, so
 the report cannot differ from what runs.
 """
 from __future__ import annotations
@@ -10,18 +11,27 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
-from mega import attention, moe
+from mega import attention, indexer, moe
+from model import quant
 from model.config import ModelConfig
 from model.forward import moe_spec
 from model.state import state_dtype
 
 
-def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], window_fp8: bool = False
-                 ) -> dict[str, str]:
-    """``{operator: path}`` for steps of each of ``step_tokens`` tokens (the engine's buckets)."""
+def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slot_tokens: int,
+                 window_fp8: bool = False) -> dict[str, str]:
+    """``{operator: path}`` for steps of each of ``step_tokens`` tokens (the engine's buckets),
+    with ``slot_tokens`` tokens of cache a request."""
     dtype = state_dtype(params)
     pools = [jnp.float8_e4m3fn if window_fp8 else dtype] + [dtype] * bool(cfg.kv_source_layer_ids)
     out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
+    exact = quant.fp4_block32_active(cfg.index_head_dim)
+    ratios = sorted({cfg.compress_ratios[i] for i in cfg.index_source_layer_ids})
+    paths = {r: indexer.kernel_path(cfg.index_n_heads, cfg.index_head_dim, slot_tokens // r, dtype, exact).text
+             for r in ratios}
+    if paths:
+        out["mega.indexer"] = (next(iter(paths.values())) if len(set(paths.values())) == 1 else
+                               "; ".join(f"{path} at ratio {r}" for r, path in paths.items()))
     spec = moe_spec(cfg)
     by_path: dict[str, list[int]] = {}
     for t in sorted(step_tokens):

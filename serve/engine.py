@@ -204,16 +204,17 @@ class Engine:
         self.buckets = Buckets.make(config.max_running, config.step_tokens, keep)
         spec = self._spec_options(params, cfg, config)
         b = self.buckets
+        self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
+                                  config.pages, keep, self.buckets, config.top_logprobs,
+                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh,
+                                  count_experts=config.enable_eplb)
         self.kernel_paths = kernel_paths(params, cfg, b.decode + b.prefill + b.replay,
+                                         self.runner.pages_per_request * config.page_size,
                                          config.kv_cache_dtype == "fp8_e4m3")
         log = logging.getLogger("megajax")
         log.info("model dtype %s", config.model_dtype.name)
         for op, path in self.kernel_paths.items():
             log.info("%s: %s", op, path)
-        self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
-                                  config.pages, keep, self.buckets, config.top_logprobs,
-                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh,
-                                  count_experts=config.enable_eplb)
         # Compile the smallest step now: its cost sizes the program budget, and a configuration
         # that cannot fit fails here, not at a later request (serve/programs.py).
         self.runner.programs.budget.cap(config.max_programs)

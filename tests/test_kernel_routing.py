@@ -2,7 +2,8 @@
 
 Its KV rings and pools take the model's dtype, so every attention call of a prefill and a
 decode step (window and compressed pools, bf16 or the stored FP8 window) is one the
-MegaAttention kernel accepts, and the MoE calls the grouped kernels (with fp8 or MXFP4 expert
+MegaAttention kernel accepts, the index source scores through the indexer kernel, and the MoE
+calls the grouped kernels (with fp8 or MXFP4 expert
 weights under ``quantization="fp8"`` or ``"mxfp4"``, and fp8 rows as well under ``"w8a8"``). The kernels' numerics
 are tested against their references in ``test_pallas_*``; here each kernel is stood in for by
 its reference behind a recorder (interpreted, the attention kernel takes minutes per step at
@@ -16,10 +17,12 @@ import numpy as np
 import pytest
 
 import mega.attention
+import mega.indexer
 import mega.moe
 from checkpoints.init import init_params
 from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
 from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
+from pallas_kernels.indexer import index_scores_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -30,7 +33,7 @@ def kernel_sized():
         "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 64,
         "head_dim": 128, "q_lora_rank": 64, "qk_rope_head_dim": 64, "sliding_window": 8,
         "compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [1],
-        "candidate_topk_blocks": 64, "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 64,
+        "candidate_topk_blocks": 64, "candidate_block_size": 2, "index_n_heads": 16, "index_head_dim": 64,
         "index_topk": 16, "o_groups": 2, "o_lora_rank": 64, "moe_intermediate_size": 128,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "num_nextn_predict_layers": 1})
     return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
@@ -40,7 +43,11 @@ def kernel_sized():
                                                          ("auto", "mxfp4"), ("auto", "w8a8")])
 def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantization, monkeypatch):
     cfg, params = kernel_sized
-    seen = {"attention": [], "moe": 0, "expert_weights": set()}
+    seen = {"attention": [], "moe": 0, "expert_weights": set(), "indexer": 0}
+
+    def indexer_kernel(q, w, keys, rows, slot, visible, *, scale, interpret=False):
+        seen["indexer"] += 1
+        return index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True, pass_bytes=1 << 30)
 
     def attention_kernel(q, pools, sink, scale, interpret=None):
         dtypes = [p[0].dtype for p in pools]
@@ -67,11 +74,13 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     monkeypatch.setattr(mega.attention, "sparse_mqa", attention_kernel)
     monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
     monkeypatch.setattr(mega.moe, "grouped_matmul", matmul_kernel)
+    monkeypatch.setattr(mega.indexer, "index_scores_kernel", indexer_kernel)
     engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
                                               kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                               dtype="bfloat16"))
     paths = engine.kernel_paths   # what the start-up log says is what runs
     assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
+    assert paths["mega.indexer"] == "pallas indexer"
     assert ("fp8 window" in paths["mega.attention"]) == (kv_cache_dtype == "fp8_e4m3")
     assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
@@ -80,6 +89,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
+    assert seen["indexer"] * 2 == seen["moe"]   # the one index source's scoring, in every bucket traced
     # --quantization fp8 / mxfp4 / w8a8: every routed and shared expert stack reaches the kernels so
     assert seen["expert_weights"] == {quantization}
     for dtypes, fits in seen["attention"]:

@@ -1,7 +1,6 @@
 """Quantisers, RoPE tables and Engram hashing against independent host implementations."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -82,18 +81,19 @@ def test_index_scores_match_float64(head_dim):
     """Indexer scores against float64: with FP4-quantised q and keys the bf16-operand products
     are exact (only fp32 summation rounds); with the quantiser off the fp32 path must be taken,
     since these unquantised values would lose ~3 digits in bf16."""
-    from model.attention import index_scores
-    cfg = dataclasses.replace(flash_config(), index_head_dim=head_dim)
+    from pallas_kernels.indexer import scores_of_one
+    exact = quant.fp4_block32_active(head_dim)   # as model.attention decides it
+    index_scores = lambda q, w, k: scores_of_one(q, w, k, head_dim ** -0.5, exact)  # noqa: E731
     rng = np.random.default_rng(3)
     span = np.exp2(rng.integers(-6, 7, size=(1, head_dim)))      # channels of very different scales
     q, k = (quant.fp4_block32(jnp.asarray(rng.normal(size=(n, head_dim)) * span, jnp.float32)) for n in (8, 50))
     w = rng.normal(size=8).astype(np.float32)
-    got = np.asarray(index_scores(q, jnp.asarray(w), k, cfg))
+    got = np.asarray(index_scores(q, jnp.asarray(w), k))
     dots = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
     want = w.astype(np.float64) @ np.maximum(dots, 0) / np.sqrt(head_dim)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # and the q . k product runs on the operand type the quantiser allows
-    hlo = jax.jit(lambda *a: index_scores(*a, cfg)).lower(q, jnp.asarray(w), k).as_text()
+    hlo = jax.jit(index_scores).lower(q, jnp.asarray(w), k).as_text()
     operand = "bf16" if head_dim % 32 == 0 else "f32"
     assert f"(tensor<8x{head_dim}x{operand}>, tensor<50x{head_dim}x{operand}>) -> tensor<8x50xf32>" in hlo
 

@@ -43,9 +43,9 @@ def test_c19_intermediates(tiny):
 
 
 def test_indexer_scores_in_chunks_as_in_one_pass(tiny, monkeypatch):
-    """Long contexts score the indexer's tokens in chunks (``model.attention.INDEX_PASS_BYTES``):
+    """Long contexts score the indexer's tokens in chunks (``mega.indexer.INDEX_PASS_BYTES``):
     forced at max_len 80, against one pass at max_len 96 (other shapes: separate traces)."""
-    import model.attention as attention
+    import mega.indexer as indexer
 
     cfg, ids = tiny.cfg, tiny.cases["c50_chunked"]["prompt_ids"][:50]
 
@@ -55,7 +55,7 @@ def test_indexer_scores_in_chunks_as_in_one_pass(tiny, monkeypatch):
 
     whole = selections(96)
     n = 80 // min(cfg.compress_ratios[layer] for layer in cfg.index_source_layer_ids)
-    monkeypatch.setattr(attention, "INDEX_PASS_BYTES", 7 * 4 * n * (cfg.index_head_dim + cfg.index_n_heads))
+    monkeypatch.setattr(indexer, "INDEX_PASS_BYTES", 7 * 4 * n * (cfg.index_head_dim + cfg.index_n_heads))
     chunks, lax_map = [], jax.lax.map
     monkeypatch.setattr(jax.lax, "map", lambda f, xs, **kw: chunks.append(kw["batch_size"]) or lax_map(f, xs, **kw))
     chunked = selections(80)

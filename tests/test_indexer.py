@@ -1,0 +1,99 @@
+"""The indexer kernel against its reference, in the Pallas interpreter, and lowered for CUDA.
+
+The interpreter starts the output as NaN, so an entry the kernel never wrote fails the check:
+that is the poison. Each case draws fresh FP4-quantised queries and keys, a shuffled page
+table (a request's entries are not contiguous in the pool), several rows per request and
+visible counts at the edges (none, inside a block, a block's end, all).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mega.indexer
+from mega import backend
+from model import quant
+from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_reference
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16):
+    """Queries of ``sum(rows_per_slot)`` rows over ``slots`` requests of ``n`` entries each."""
+    pages = n // per_page
+    pool_rows = slots * n + 2 * per_page                       # spare pages: rows no request maps
+    order = rng.permutation(pool_rows // per_page)[:slots * pages].reshape(slots, pages)
+    entries = np.arange(n)
+    rows = order[:, entries // per_page] * per_page + entries % per_page
+    slot = np.repeat(np.arange(slots), rows_per_slot)
+    t = len(slot)
+    visible = rng.integers(0, n + 1, t)
+    visible[:4] = [0, n, BLOCK_N, BLOCK_N + 5][:t][:4]
+    fp4 = lambda shape: quant.fp4_block32(jnp.asarray(rng.normal(size=shape), jnp.float32))  # noqa: E731
+    q = fp4((t, heads, head_dim))
+    keys = fp4((pool_rows, head_dim)).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(t, heads)) * heads ** -0.5, jnp.float32)
+    return q, w, keys, jnp.asarray(rows, jnp.int32), jnp.asarray(slot, jnp.int32), jnp.asarray(visible, jnp.int32)
+
+
+@pytest.mark.parametrize("heads,head_dim,n", [(16, 64, 192), (64, 128, 64 * CHUNK + 128)],
+                         ids=["one-program-a-row", "two-programs-a-row"])
+def test_kernel_matches_reference(rng, heads, head_dim, n):
+    q, w, keys, rows, slot, visible = case(rng, heads, head_dim, n)
+    scale = head_dim ** -0.5
+    got = np.asarray(index_scores(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, scale=scale, interpret=True))
+    want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True,
+                                             pass_bytes=1 << 30))
+    assert not np.isnan(got).any(), "an entry of the output was never written"
+    seen = np.arange(n)[None] < np.asarray(visible)[:, None]
+    np.testing.assert_array_equal(np.isneginf(got), ~seen)
+    assert np.abs(want[seen]).max() > 0
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5 * np.abs(want[seen]).max())
+
+
+def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
+    """``mega.indexer.index_scores`` runs the kernel (here interpreted) for bf16 keys, FP4 values
+    and power-of-two heads, and the reference otherwise, with the same results."""
+    q, w, keys, rows, slot, visible = case(rng, 16, 64, 128)
+    calls = []
+    kernel = mega.indexer.index_scores_kernel
+    monkeypatch.setattr(mega.indexer, "index_scores_kernel", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
+    got = mega.indexer.index_scores(q, w, keys, rows, slot, visible, exact_bf16=True)
+    assert calls and calls[0]["interpret"] is True
+    monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
+    want = mega.indexer.index_scores(q, w, keys, rows, slot, visible, exact_bf16=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")
+    path = mega.indexer.kernel_path
+    assert path(64, 128, 32768, jnp.bfloat16, True).kernel
+    assert "FP4" in path(64, 40, 32768, jnp.bfloat16, False).text
+    assert "float32" in path(64, 128, 32768, jnp.float32, True).text
+    assert "2 heads" in path(2, 64, 32768, jnp.bfloat16, True).text and not path(64, 128, 100, jnp.bfloat16, True).kernel
+    assert backend.interpreting() is False
+
+
+@pytest.mark.parametrize("t_len,n", [(1024, 32768), (4096, 65664)], ids=["decode-256x4-128K", "prefill-4K-128K"])
+def test_lowers_for_cuda_at_v41_shapes(t_len, n):
+    """V4.1-Flash: 64 index heads x 128, 128K tokens of context at ratio 4 and 2."""
+    sds = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda *a: index_scores(*a, scale=128 ** -0.5))
+    text = fn.trace(sds((t_len, 64, 128), jnp.bfloat16), sds((t_len, 64), jnp.float32),
+                    sds((256 * n, 128), jnp.bfloat16), sds((256, n), jnp.int32), sds((t_len,), jnp.int32),
+                    sds((t_len,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+def test_refuses_shapes_it_cannot_tile():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="powers of two"):
+        index_scores(z((2, 12, 64), jnp.bfloat16), z((2, 12)), z((64, 64), jnp.bfloat16), z((1, 64), jnp.int32),
+                     z(2, jnp.int32), z(2, jnp.int32), scale=1.0)
