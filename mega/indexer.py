@@ -3,12 +3,13 @@
 Signature (one per ragged batch of query rows; MODEL_SPEC §3.8)::
 
     index_scores(q [T, H, d] fp32, w [T, H] fp32, keys [P, d], rows [B, N] int32, slot [T] int32,
-                 visible [T] int32, exact_bf16) -> [T, N] fp32
+                 visible [T] int32, listed [T, S] int32 | None, exact_bf16) -> [T, N] fp32
 
 ``score[t, e] = sum_h w[t, h] relu(q[t, h] . keys[rows[slot[t], e]]) / sqrt(d)`` for the
-``visible[t]`` first entries of the row's request, -inf past them. ``rows`` maps each
-request's entries to pool rows (the pool is paged); ``exact_bf16`` says that q and the keys
-hold FP4-quantised values, which bf16 represents exactly.
+``visible[t]`` first entries of the row's request (of them, only those in ``listed[t]`` when
+given: the candidate blocks' entries), -inf elsewhere. ``rows`` maps each request's entries
+to pool rows (the pool is paged); ``exact_bf16`` says that q and the keys hold FP4-quantised
+values, which bf16 represents exactly.
 
 On GPU (``mega.backend``) it is the Pallas kernel ``pallas_kernels.indexer`` (bf16 keys, the
 FP4 quantiser on, heads and head_dim powers of two from 16, N a multiple of its 64-entry
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from mega import backend
-from pallas_kernels.indexer import fits, index_scores as index_scores_kernel, index_scores_reference
+from pallas_kernels.indexer import (fits, index_scores as index_scores_kernel, index_scores_listed,
+                                    index_scores_reference)
 
 # Bytes the reference's per-row intermediates may take in one pass: each scored row gathers
 # its request's keys ([N, d], counted as fp32) and keeps per-head scores ([H, N] fp32) up to the
@@ -44,11 +46,14 @@ def kernel_path(heads: int, head_dim: int, n: int, keys_dtype, exact_bf16: bool)
 
 @jax.named_scope("mega_indexer")  # prefixes its ops' names in HLO dumps and XProf
 def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, rows: jnp.ndarray, slot: jnp.ndarray,
-                 visible: jnp.ndarray, exact_bf16: bool) -> jnp.ndarray:
+                 visible: jnp.ndarray, listed: jnp.ndarray | None, exact_bf16: bool) -> jnp.ndarray:
     _, h, d = q.shape
     scale = d ** -0.5
-    if kernel_path(h, d, rows.shape[1], keys.dtype, exact_bf16).kernel:
-        return index_scores_kernel(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, scale=scale,
-                                   interpret=backend.interpreting())
-    return index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=exact_bf16,
+    width = rows.shape[1] if listed is None else listed.shape[1]
+    if kernel_path(h, d, width, keys.dtype, exact_bf16).kernel:
+        args = (q.astype(jnp.bfloat16), w, keys, rows, slot, visible)
+        if listed is None:
+            return index_scores_kernel(*args, scale=scale, interpret=backend.interpreting())
+        return index_scores_listed(*args, listed, scale=scale, interpret=backend.interpreting())
+    return index_scores_reference(q, w, keys, rows, slot, visible, listed, scale=scale, exact_bf16=exact_bf16,
                                   pass_bytes=INDEX_PASS_BYTES)

@@ -38,6 +38,7 @@ class Published(NamedTuple):
 
     comp_idx: jnp.ndarray | None = None  # [T, K] pool rows selected by the last index source
     candidates: jnp.ndarray | None = None  # [T, N] entry mask of the candidate source
+    candidate_entries: jnp.ndarray | None = None  # [T, C * block] the same entries listed (-1: none)
     entries: jnp.ndarray | None = None  # [T, K] the selected entry numbers (-1: none), for traces
     scores: jnp.ndarray | None = None  # [T, N] the index scores the selection ran on, for traces
 
@@ -107,8 +108,10 @@ def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: 
     return q.astype(jnp.float32), w
 
 
-def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig) -> jnp.ndarray:
-    """Entry mask of the top blocks per query, the newest visible block pinned (§3.8)."""
+def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
+                     ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The top blocks per query, the newest visible block pinned (§3.8): their entries as a mask
+    ``[T, N]`` and as a list ``[T, C * block]`` (-1: none)."""
     t, n = scores.shape
     bs = cfg.candidate_block_size
     n_blocks = -(-n // bs)
@@ -118,7 +121,9 @@ def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
     block = jnp.where(jnp.arange(n_blocks)[None] == newest[:, None], jnp.inf, block)
     vals, ids = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, n_blocks))
     keep = jnp.zeros((t, n_blocks), bool).at[jnp.arange(t)[:, None], ids].set(vals > -jnp.inf)
-    return jnp.repeat(keep, bs, axis=1)[:, :n]
+    entries = ids[:, :, None] * bs + jnp.arange(bs)
+    listed = jnp.where((vals > -jnp.inf)[:, :, None] & (entries < n), entries, -1).reshape(t, -1)
+    return jnp.repeat(keep, bs, axis=1)[:, :n], listed
 
 
 @jax.named_scope("attention")  # prefixes its ops' names in HLO dumps and XProf
@@ -205,15 +210,13 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -
     q, w = index_queries(r, x, p, info, cfg)
     rows = entry_rows(state, ratio, jnp.arange(b, dtype=jnp.int32), jnp.broadcast_to(entries, (b, n)))
     visible = (info.pos + 1) // ratio
-    scores = index_scores(q, w, pool_k, rows, info.slot, visible, quant.fp4_block32_active(cfg.index_head_dim))
+    cand, listed = published.candidates, published.candidate_entries   # past the candidate source: scored alone
+    scores = index_scores(q, w, pool_k, rows, info.slot, visible, listed, quant.fp4_block32_active(cfg.index_head_dim))
     is_visible = entries[None] < visible[:, None]
-    cand = published.candidates
     if layer == cfg.candidate_source_layer_id:
-        cand = candidate_blocks(scores, visible, cfg)
-    elif cand is not None:
-        scores = jnp.where(cand, scores, -jnp.inf)
+        cand, listed = candidate_blocks(scores, visible, cfg)
     chosen = scores if forced is None else jnp.where(forced[:, :n] & is_visible, 0.0, -jnp.inf)
     vals, ids = jax.lax.top_k(chosen, min(cfg.index_topk, n))
     ok = vals > -jnp.inf
     comp_idx = jnp.where(ok, entry_rows(state, ratio, info.slot, ids), -1)
-    return Published(comp_idx, cand, jnp.where(ok, ids, -1), scores)
+    return Published(comp_idx, cand, listed, jnp.where(ok, ids, -1), scores)

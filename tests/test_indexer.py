@@ -15,7 +15,7 @@ import pytest
 import mega.indexer
 from mega import backend
 from model import quant
-from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_reference
+from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_listed, index_scores_reference
 
 
 @pytest.fixture
@@ -59,6 +59,29 @@ def test_kernel_matches_reference(rng, heads, head_dim, n):
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5 * np.abs(want[seen]).max())
 
 
+def test_listed_kernel_scores_only_the_listed_entries(rng):
+    """Past the candidate source a row scores its candidate blocks' entries alone: a list per row
+    with -1 padding and entries past its visible ones, in any order; every other entry -inf."""
+    n, blocks, block = 256, 16, 8
+    q, w, keys, rows, slot, visible = case(rng, 16, 64, n)
+    t = q.shape[0]
+    ids = np.stack([rng.permutation(n // block)[:blocks] for _ in range(t)])
+    listed = (ids[:, :, None] * block + np.arange(block)).reshape(t, -1)
+    listed[rng.random(listed.shape) < 0.1] = -1
+    listed = jnp.asarray(listed, jnp.int32)
+    scale = 64 ** -0.5
+    got = np.asarray(index_scores_listed(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, listed, scale=scale,
+                                         interpret=True))
+    want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, listed, scale=scale, exact_bf16=True,
+                                             pass_bytes=1 << 30))
+    full = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True,
+                                             pass_bytes=1 << 30))
+    scored = np.isfinite(want)
+    assert scored.any() and (~scored & np.isfinite(full)).any()   # some visible entries are not listed
+    np.testing.assert_array_equal(np.isfinite(got), scored)
+    np.testing.assert_allclose(got[scored], full[scored], rtol=1e-5, atol=1e-5 * np.abs(full[scored]).max())
+
+
 def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     """``mega.indexer.index_scores`` runs the kernel (here interpreted) for bf16 keys, FP4 values
     and power-of-two heads, and the reference otherwise, with the same results."""
@@ -67,10 +90,10 @@ def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     kernel = mega.indexer.index_scores_kernel
     monkeypatch.setattr(mega.indexer, "index_scores_kernel", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
-    got = mega.indexer.index_scores(q, w, keys, rows, slot, visible, exact_bf16=True)
+    got = mega.indexer.index_scores(q, w, keys, rows, slot, visible, None, exact_bf16=True)
     assert calls and calls[0]["interpret"] is True
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
-    want = mega.indexer.index_scores(q, w, keys, rows, slot, visible, exact_bf16=True)
+    want = mega.indexer.index_scores(q, w, keys, rows, slot, visible, None, exact_bf16=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")
     path = mega.indexer.kernel_path
@@ -81,15 +104,20 @@ def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     assert backend.interpreting() is False
 
 
-@pytest.mark.parametrize("t_len,n", [(1024, 32768), (4096, 65664)], ids=["decode-256x4-128K", "prefill-4K-128K"])
-def test_lowers_for_cuda_at_v41_shapes(t_len, n):
-    """V4.1-Flash: 64 index heads x 128, 128K tokens of context at ratio 4 and 2."""
+@pytest.mark.parametrize("t_len,n", [(1024, 65664), (4096, 131328)], ids=["decode-256x4-128K", "prefill-4K-128K"])
+@pytest.mark.parametrize("listed", [False, True], ids=["all", "candidates"])
+def test_lowers_for_cuda_at_v41_shapes(t_len, n, listed):
+    """V4.1-Flash: 64 index heads x 128, a 128K context at ratio 2 and 1; past the candidate
+    source, 2048 candidate blocks of 8 entries."""
     sds = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda *a: index_scores(*a, scale=128 ** -0.5))
-    text = fn.trace(sds((t_len, 64, 128), jnp.bfloat16), sds((t_len, 64), jnp.float32),
-                    sds((256 * n, 128), jnp.bfloat16), sds((256, n), jnp.int32), sds((t_len,), jnp.int32),
-                    sds((t_len,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    args = [sds((t_len, 64, 128), jnp.bfloat16), sds((t_len, 64), jnp.float32), sds((256 * n, 128), jnp.bfloat16),
+            sds((256, n), jnp.int32), sds((t_len,), jnp.int32), sds((t_len,), jnp.int32)]
+    if listed:
+        fn = jax.jit(lambda *a: index_scores_listed(*a, scale=128 ** -0.5))
+        args.append(sds((t_len, 2048 * 8), jnp.int32))
+    else:
+        fn = jax.jit(lambda *a: index_scores(*a, scale=128 ** -0.5))
+    assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_refuses_shapes_it_cannot_tile():
