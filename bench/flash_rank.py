@@ -113,7 +113,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
     the kernels do not batch requests over shared pages)."""
     import jax
 
-    from model.state import Fp8Ring
+    from model.state import Fp8Ring, pool_row_bytes
 
     def nbytes(tree):
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
@@ -129,7 +129,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
 
     ring = state.window[0]
     win_item = (ring.values if isinstance(ring, Fp8Ring) else ring).dtype.itemsize
-    comp_item, idx_item = state.comp_kv[0].dtype.itemsize, state.index_k[0].dtype.itemsize
+    comp_item, idx_row = state.comp_kv[0].dtype.itemsize, pool_row_bytes(state.index_k[0])
     ctx, kv, idx, attn_flops, idx_flops = shape.context, 0, 0, 0, 0
     per_entry = 2 * 2 * cfg.num_attention_heads * cfg.head_dim   # QK and PV over one entry, one row
     # a request's reads, each entry once: its window and new rows; of a compressed pool, the entries
@@ -143,7 +143,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
         if i in cfg.index_source_layer_ids:
             keys = pool if i in cfg.kv_source_layer_ids else min(pool, cfg.candidate_topk_blocks
                                                                  * cfg.candidate_block_size)
-            idx += keys * cfg.index_head_dim * idx_item
+            idx += keys * idx_row
             idx_flops += rows * keys * cfg.index_n_heads * cfg.index_head_dim * 2
     kv, idx = kv * shape.requests, idx * shape.requests
 

@@ -2,7 +2,7 @@
 
 Signature (one per ragged batch of query rows; MODEL_SPEC §3.8)::
 
-    index_scores(q [T, H, d] fp32, w [T, H] fp32, keys [P, d], rows [B, N] int32, slot [T] int32,
+    index_scores(q [T, H, d] fp32, w [T, H] fp32, keys Fp4Keys | [P, d], rows [B, N] int32, slot [T] int32,
                  visible [T] int32, listed [T, S] int32 | None, exact_bf16) -> [T, N] fp32
 
 ``score[t, e] = sum_h w[t, h] relu(q[t, h] . keys[rows[slot[t], e]]) / sqrt(d)`` for the
@@ -11,9 +11,9 @@ given: the candidate blocks' entries), -inf elsewhere. ``rows`` maps each reques
 to pool rows (the pool is paged); ``exact_bf16`` says that q and the keys hold FP4-quantised
 values, which bf16 represents exactly.
 
-On GPU (``mega.backend``) it is the Pallas kernel ``pallas_kernels.indexer`` (bf16 keys, the
-FP4 quantiser on, heads and head_dim powers of two from 16, N a multiple of its 64-entry
-blocks, as V4.1's 64 x 128 at any 64-aligned context); elsewhere its reference.
+On GPU (``mega.backend``) it is the Pallas kernel ``pallas_kernels.indexer`` (FP4 or bf16 keys,
+the FP4 quantiser on, heads and head_dim powers of two from 16, N a multiple of its 64-entry
+blocks, as V4.1's 32 x 128 at any 64-aligned context); elsewhere its reference.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mega import backend
+from pallas_kernels.block_scaled import Fp4Keys
 from pallas_kernels.indexer import (fits, index_scores as index_scores_kernel, index_scores_listed,
                                     index_scores_reference)
 
@@ -32,16 +33,22 @@ from pallas_kernels.indexer import (fits, index_scores as index_scores_kernel, i
 INDEX_PASS_BYTES = 8 << 30
 
 
-def kernel_path(heads: int, head_dim: int, n: int, keys_dtype, exact_bf16: bool) -> backend.Path:
-    """Which implementation scores ``heads`` x ``head_dim`` queries against ``n`` entries a request."""
+def keys_kind(keys) -> str:
+    """How an index-key pool is stored: ``"fp4"`` (``Fp4Keys``) or its dtype's name."""
+    return "fp4" if isinstance(keys, Fp4Keys) else jnp.dtype(keys.dtype).name
+
+
+def kernel_path(heads: int, head_dim: int, n: int, kind: str, exact_bf16: bool) -> backend.Path:
+    """Which implementation scores ``heads`` x ``head_dim`` queries against ``n`` entries a request
+    of keys stored as ``kind`` (``keys_kind``)."""
     why = backend.kernels_off()
-    if why is None and jnp.dtype(keys_dtype) != jnp.bfloat16:
-        why = f"{jnp.dtype(keys_dtype).name} index keys; the kernel takes bfloat16"
+    if why is None and kind not in ("fp4", "bfloat16"):
+        why = f"{kind} index keys; the kernel takes FP4 records or bfloat16"
     if why is None and not exact_bf16:
         why = f"index head_dim {head_dim} is not FP4-quantised (bf16 operands would round)"
     if why is None and not fits(heads, head_dim, n):
         why = f"{heads} heads x {head_dim} against {n} entries; the kernel takes powers of two from 16, N in 64s"
-    return backend.Path.reference(why) if why else backend.Path(True, "pallas indexer")
+    return backend.Path.reference(why) if why else backend.Path(True, f"pallas indexer ({kind} keys)")
 
 
 @jax.named_scope("mega_indexer")  # prefixes its ops' names in HLO dumps and XProf
@@ -50,7 +57,7 @@ def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, rows: jnp.nd
     _, h, d = q.shape
     scale = d ** -0.5
     width = rows.shape[1] if listed is None else listed.shape[1]
-    if kernel_path(h, d, width, keys.dtype, exact_bf16).kernel:
+    if kernel_path(h, d, width, keys_kind(keys), exact_bf16).kernel:
         args = (q.astype(jnp.bfloat16), w, keys, rows, slot, visible)
         if listed is None:
             return index_scores_kernel(*args, scale=scale, interpret=backend.interpreting())

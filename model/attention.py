@@ -31,6 +31,7 @@ from model.batch import StepInfo
 from model.config import ModelConfig
 from model.rope import cos_sin, inv_freq
 from model.state import Fp8Ring, ModelState, entry_rows
+from pallas_kernels.block_scaled import Fp4Keys
 
 
 class Published(NamedTuple):
@@ -152,8 +153,9 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
             fresh = completes & (info.pos >= info.cached)  # replayed tokens keep their cached entries
             rows = _drop_rows(entry_rows(state, ratio, info.slot, entry), fresh, pool_kv.shape[0])
             entry_pos = entry * ratio
-            pool_k = pool_k.at[rows].set(index_keys(latent, p["indexer"], entry_pos, cfg).astype(pool_k.dtype),
-                                         mode="drop")
+            keys = index_keys(latent, p["indexer"], entry_pos, cfg)
+            pool_k = (pool_k.set_rows(rows, keys) if isinstance(pool_k, Fp4Keys)
+                      else pool_k.at[rows].set(keys.astype(pool_k.dtype), mode="drop"))
             c_cos, c_sin = _compress_rope(cfg, entry_pos)
             comp = quant.nvfp4_block16(apply_rope(latent, c_cos, c_sin))
             pool_kv = pool_kv.at[rows].set(comp.astype(pool_kv.dtype), mode="drop")

@@ -15,7 +15,7 @@ from mega import attention, indexer, moe
 from model import quant
 from model.config import ModelConfig
 from model.forward import moe_spec
-from model.state import state_dtype
+from model.state import index_pool, state_dtype
 
 
 def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slot_tokens: int,
@@ -27,7 +27,8 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
     exact = quant.fp4_block32_active(cfg.index_head_dim)
     ratios = sorted({cfg.compress_ratios[i] for i in cfg.index_source_layer_ids})
-    paths = {r: indexer.kernel_path(cfg.index_n_heads, cfg.index_head_dim, slot_tokens // r, dtype, exact).text
+    keys = indexer.keys_kind(index_pool(cfg, 1, dtype))
+    paths = {r: indexer.kernel_path(cfg.index_n_heads, cfg.index_head_dim, slot_tokens // r, keys, exact).text
              for r in ratios}
     if paths:
         out["mega.indexer"] = (next(iter(paths.values())) if len(set(paths.values())) == 1 else

@@ -33,6 +33,8 @@ gives each slot its own contiguous pages; the engine will hand pages out itself.
 The rings and pools take the model's activation ``dtype`` (``state_dtype(params)``): they hold
 fake-quantised values (FP8, NVFP4 and FP4 grids), which bf16 represents exactly, so a bf16
 model keeps its KV in bf16 (half the bytes of fp32, and the dtype the attention kernel reads).
+The indexer keys are stored as the FP4 records they are (``Fp4Keys``, 68 bytes a 128-channel
+row), which give back the same values.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from model import quant
 from model.config import ModelConfig
 from model.engram_hash import DEAD
+from pallas_kernels.block_scaled import Fp4Keys
 
 
 class Fp8Ring(NamedTuple):
@@ -64,7 +68,7 @@ class ModelState:
     seq_lens: jnp.ndarray  # int32 [B]
     window: tuple  # per backbone layer: [B, ring_rows, head_dim], or an Fp8Ring
     comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
-    index_k: tuple  # per KV source: [pages * page_size // ratio, index_head_dim]
+    index_k: tuple  # per KV source: Fp4Keys of pages * page_size // ratio rows (index_pool)
     tail_kv: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     tail_gate: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     page_table: jnp.ndarray  # int32 [B, pages per request]
@@ -107,12 +111,13 @@ def tail_groups(ratio: int, spec_tokens: int) -> int:
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
                dtype=jnp.float32, window_fp8: bool = False, spec_tokens: int = 0,
-               expert_load: bool = False) -> ModelState:
+               expert_load: bool = False, num_pages: int | None = None) -> ModelState:
+    """``num_pages``: the pools' pages (default: each slot its own ``max_len`` worth, in order)."""
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
     if page_size <= 0 or any(page_size % r for r in ratios):
         raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio {ratios}")
     pages = -(-max_len // page_size)
-    n_pages = batch_size * pages
+    n_pages = batch_size * pages if num_pages is None else num_pages
     w, hd = cfg.sliding_window + spec_tokens, cfg.head_dim
     if window_fp8 and hd % 32:
         raise ValueError(f"window_fp8 needs head_dim divisible by the 32-channel scale block, got {hd}")
@@ -127,11 +132,11 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
         seq_lens=jnp.zeros((batch_size,), jnp.int32),
         window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
         comp_kv=tuple(jnp.zeros((n_pages * page_size // r, hd), dtype) for r in ratios),
-        index_k=tuple(jnp.zeros((n_pages * page_size // r, cfg.index_head_dim), dtype) for r in ratios),
+        index_k=tuple(index_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
         tail_kv=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32) for r in ratios),
         tail_gate=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32)
                         for r in ratios),
-        page_table=jnp.arange(n_pages, dtype=jnp.int32).reshape(batch_size, pages),
+        page_table=jnp.arange(batch_size * pages, dtype=jnp.int32).reshape(batch_size, pages) % n_pages,
         engram_hist=jnp.full((batch_size, max(cfg.engram_max_ngram_size - 1, 0)), DEAD, jnp.int32),
         window_floor=jnp.zeros((batch_size,), jnp.int32),
         cached_len=jnp.zeros((batch_size,), jnp.int32),
@@ -141,6 +146,19 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
                               else (batch_size, 0, 0), jnp.int32),
         page_size=page_size,
     )
+
+
+def index_pool(cfg: ModelConfig, rows: int, dtype):
+    """An indexer-key pool of ``rows`` rows: the FP4 records the keys are (``Fp4Keys``), or, where
+    the FP4 quantiser passes the keys through (MODEL_SPEC §11.3), ``dtype`` values."""
+    if quant.fp4_block32_active(cfg.index_head_dim):
+        return Fp4Keys.zeros(rows, cfg.index_head_dim)
+    return jnp.zeros((rows, cfg.index_head_dim), dtype)
+
+
+def pool_row_bytes(pool) -> int:
+    """Bytes a row of a pool takes (an array, or a tuple of arrays of rows)."""
+    return sum(a.shape[1] * a.dtype.itemsize for a in jax.tree.leaves(pool))
 
 
 def entry_rows(state: ModelState, ratio: int, slot: jnp.ndarray, entry: jnp.ndarray) -> jnp.ndarray:

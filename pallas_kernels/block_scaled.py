@@ -9,6 +9,7 @@ and the kernels all read and write these; nothing here is kernel code.
 * FP8 activation rows, one scale per row per 128 columns (the W8A8 kernels' input):
   ``Fp8Rows``.
 * FP8 KV rows, one UE8M0 scale per 32 channels (the window KV, MODEL_SPEC §3.5): ``Fp8Pool``.
+* FP4 rows, one UE8M0 scale per 32 channels, as stored (the indexer's keys): ``Fp4Keys``.
 
 The scale rule (``scale_exponent``): a block's scale is the smallest power of two ``2**e`` with
 ``amax / 2**e <= `` the format's largest value, ``e`` computed from the IEEE bits, so XLA, the
@@ -298,6 +299,46 @@ class Fp8Pool(NamedTuple):
     kv: jax.Array
     scale: jax.Array
     idx: jax.Array
+
+
+class Fp4Keys(NamedTuple):
+    """Rows of FP4 block-32 values as a pool stores them (MODEL_SPEC §3.5's indexer keys; 68
+    bytes a row at 128 channels, against 256 in bf16): ``codes [..., d / 2]`` uint8, byte ``j``
+    holding channel ``j``'s e2m1 code in its low nibble and channel ``j + d / 2``'s in its high,
+    so that each half of the channels is one contiguous slice of bytes; ``scale [..., d / 32]``
+    uint8 UE8M0 exponents. Storing a row already on the grid (``model.quant.fp4_block32``'s
+    output) loses nothing: its values come back bit for bit."""
+    codes: jax.Array
+    scale: jax.Array
+
+    @property
+    def width(self) -> int:
+        """Channels a row."""
+        return self.codes.shape[-1] * 2
+
+    @classmethod
+    def zeros(cls, rows: int, width: int) -> "Fp4Keys":
+        return cls(jnp.zeros((rows, width // 2), jnp.uint8), jnp.full((rows, width // BLOCK), 127, jnp.uint8))
+
+    @classmethod
+    def from_float(cls, x: jax.Array) -> "Fp4Keys":
+        codes, exponents = mxfp4_parts(x)
+        half = x.shape[-1] // 2
+        packed = (codes[..., :half] & 15) | ((codes[..., half:] & 15) << 4)
+        return cls(packed.astype(jnp.uint8), exponents.astype(jnp.uint8))
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:
+        c = self.codes.astype(jnp.int32)
+        values = e2m1_value(jnp.concatenate([c & 15, c >> 4], axis=-1))
+        return (values * jnp.repeat(pow2_from_exponent(self.scale), BLOCK, axis=-1)).astype(dtype)
+
+    def at_rows(self, rows: jax.Array) -> "Fp4Keys":
+        return Fp4Keys(self.codes[rows], self.scale[rows])
+
+    def set_rows(self, rows: jax.Array, x: jax.Array) -> "Fp4Keys":
+        """``x`` ([n, d] values on the FP4 grid) stored at ``rows`` (out of range: dropped)."""
+        new = Fp4Keys.from_float(x)
+        return Fp4Keys(self.codes.at[rows].set(new.codes, mode="drop"), self.scale.at[rows].set(new.scale, mode="drop"))
 
 
 def dequantize_fp8(kv, scale):

@@ -5,12 +5,13 @@ For each query row ``t`` and each entry ``e`` of its request (MODEL_SPEC §3.8):
     score[t, e] = sum_h w[t, h] * relu(q[t, h] . k[rows[slot[t], e]]) * scale     if e < visible[t]
                   -inf                                                            otherwise
 
-Contract: ``q`` [T, H, d] bf16 and ``keys`` [P, d] bf16 (the FP4-quantised values, which bf16
-holds exactly, so the products are exact and fp32 sums differ from the reference's only in
-order), ``w`` [T, H] fp32, ``rows`` [B, N] int32 (the pool row of each request's entry ``e``),
-``slot`` [T] int32 (the request of each row), ``visible`` [T] int32 (its visible entries,
-at most N). H and d powers of two from 16 (the tensor cores' tiles), N a multiple of
-``BLOCK_N``. Returns [T, N] fp32. ``index_scores_listed`` scores only the entries listed for
+Contract: ``q`` [T, H, d] bf16 (FP4-quantised values, which bf16 holds exactly, so the
+products are exact and fp32 sums differ from the reference's only in order), ``keys`` the
+pool as stored: ``Fp4Keys`` of P rows (the model's), or [P, d] bf16 values, ``w`` [T, H]
+fp32, ``rows`` [B, N] int32 (the pool row of each request's entry ``e``), ``slot`` [T] int32
+(the request of each row), ``visible`` [T] int32 (its visible entries, at most N). H and d
+powers of two from 16 (the tensor cores' tiles), N a multiple of ``BLOCK_N``. Returns [T, N]
+fp32. ``index_scores_listed`` scores only the entries listed for
 each row (the index layers past the candidate source score their candidate blocks alone).
 
 Design: a program per (row, chunk of ``CHUNK`` x ``BLOCK_N`` entries), rows fastest, so the
@@ -20,17 +21,25 @@ entries gathers the keys by their pool rows (the pool is paged, so rows are not 
 runs one [BLOCK_N, d] x [d, H] dot, and reduces the ReLU'd products over heads with the row's
 head weights; blocks past the row's visible entries skip the dot and store -inf. Unlike XLA's
 per-row gather of the whole capacity, no [T, N, d] intermediate exists, and invisible entries
-cost no key reads. (The pool holds the keys as bf16; SGLang stores FP4 records, 68 bytes an
-entry against 256.)
+cost no key reads. FP4 keys are read as stored, 68 bytes an entry at d = 128 (against 256 in
+bf16): each 32 code bytes become two 32-channel blocks of bf16 values (exact), each block its own
+dot, scaled by its UE8M0 exponent.
+
+Why the Triton backend (deprecated since JAX 0.11, still shipped in 0.12): a gather of arbitrary
+pool rows is one load there, where Mosaic GPU needs hand-written ``cp.async`` (as
+``sparse_attention`` has); if the lowering goes, that is the port.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.block_scaled import Fp4Keys
 
 BLOCK_N = 64      # entries per dot
 CHUNK = 16        # blocks per program: q is loaded once per 1024 entries
@@ -42,50 +51,107 @@ def fits(heads: int, head_dim: int, n: int) -> bool:
     return pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
 
 
-def _block_scores(k, qt, wt, scale: float):
-    """``[BLOCK_N]`` scores of a block of keys ``[BLOCK_N, d]`` against one row's q ``[H, d]``."""
-    s = plt.dot(k, qt, trans_b=True)                  # [BLOCK_N, H] fp32
+def _pow2(e: jax.Array) -> jax.Array:
+    """``2**(e - 127)`` of UE8M0 bytes, exactly (the float with that exponent field)."""
+    return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _e2m1(code: jax.Array) -> jax.Array:
+    """float32 values of int32 e2m1 codes (``block_scaled.E2M1``'s table, as arithmetic)."""
+    mag, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    value = jnp.where(mag == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(mag == 1, 1.0, jnp.where(mag == 2, 2.0, 4.0)))
+    return jnp.where((code & 8) != 0, -value, value)
+
+
+def _q_parts(q_ref, row, fp4: bool) -> list:
+    """The row's q as the dots take it: whole ``[H, d]``, or FP4 keys' 32-channel blocks."""
+    if not fp4:
+        return [q_ref[row]]
+    return [q_ref[row, :, pl.ds(32 * j, 32)] for j in range(q_ref.shape[2] // 32)]
+
+
+def _block_scores(key_refs, r, q_parts, wt, scale: float):
+    """``[BLOCK_N]`` scores of the keys at pool rows ``r`` against one row's q. bf16 keys: one
+    ``[BLOCK_N, d] x [d, H]`` dot. FP4 keys (``Fp4Keys``: byte j holds channels j and j + d/2):
+    each 32 bytes decode to two 32-channel blocks, each its own dot, scaled by its exponent."""
+    if len(key_refs) == 1:
+        s = plt.dot(key_refs[0][r, :], q_parts[0], trans_b=True)            # [BLOCK_N, H] fp32
+    else:
+        codes_ref, scale_ref = key_refs
+        blocks, s = codes_ref.shape[1] // 32, 0.0
+        for b in range(blocks):
+            c = codes_ref[r, pl.ds(32 * b, 32)].astype(jnp.int32)
+            for j, code in ((b, c & 15), (blocks + b, c >> 4)):
+                part = plt.dot(_e2m1(code).astype(jnp.bfloat16), q_parts[j], trans_b=True)
+                s = s + part * _pow2(scale_ref[r, j])[:, None]
     return jnp.sum(jnp.maximum(s, 0.0) * scale * wt[None, :], axis=1)
 
 
-def _check(q, keys, n: int, listed=None):
+def _check(q, keys, n: int, listed=None) -> tuple[list, bool]:
+    """Refuse what the kernels cannot tile; the keys' arrays and whether they are FP4 records."""
     h, d = q.shape[1:]
     width = n if listed is None else listed.shape[1]
-    if not fits(h, d, width) or q.dtype != jnp.bfloat16 or keys.dtype != jnp.bfloat16:
-        raise ValueError(f"need bf16 q [T, H, d] and keys with H, d powers of two >= 16 and N (or the listed "
-                         f"entries) a multiple of {BLOCK_N}; got q {q.shape} {q.dtype}, keys {keys.dtype}, N = {n}")
+    kind = "fp4" if isinstance(keys, Fp4Keys) else jnp.dtype(keys.dtype).name
+    if not fits(h, d, width) or q.dtype != jnp.bfloat16 or kind not in ("fp4", "bfloat16"):
+        raise ValueError(f"need bf16 q [T, H, d] with H, d powers of two >= 16, keys in bf16 or Fp4Keys, and N "
+                         f"(or the listed entries) a multiple of {BLOCK_N}; got q {q.shape} {q.dtype}, keys {kind}, "
+                         f"N = {n}")
+    return jax.tree.leaves(keys), kind == "fp4"
+
+
+_PARAMS = plt.CompilerParams(num_warps=4, num_stages=2)
+
+
+class _Program(NamedTuple):
+    """What a program knows of its row: its chunk of blocks, its visible entries, its request, its
+    q (as the dots take it) and head weights."""
+    row: jax.Array
+    chunk: jax.Array
+    seen: jax.Array
+    request: jax.Array
+    q_parts: list
+    wt: jax.Array
+
+    @classmethod
+    def load(cls, slot_ref, visible_ref, q_ref, w_ref, fp4: bool) -> "_Program":
+        row, chunk = pl.program_id(0), pl.program_id(1)
+        return cls(row, chunk, visible_ref[row], slot_ref[row], _q_parts(q_ref, row, fp4), w_ref[row])
+
+    def each_block(self, body) -> None:
+        """``body(e0)`` for the first entry (or list position) of each of the chunk's blocks."""
+        @pl.loop(0, CHUNK)
+        def _(j):
+            body((self.chunk * CHUNK + j) * BLOCK_N)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def index_scores(q, w, keys, rows, slot, visible, *, scale: float, interpret: bool = False):
-    """Every entry of each row's request (the module docstring)."""
+    """Every entry of each row's request (the module docstring); ``keys`` bf16 or ``Fp4Keys``."""
     t, n = q.shape[0], rows.shape[1]
-    _check(q, keys, n)
+    key_leaves, fp4 = _check(q, keys, n)
 
-    def kernel(slot_ref, visible_ref, q_ref, w_ref, keys_ref, rows_ref, o_ref):
-        row, chunk = pl.program_id(0), pl.program_id(1)
-        seen, request = visible_ref[row], slot_ref[row]
-        qt, wt = q_ref[row], w_ref[row]                   # [H, d], [H]
+    def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, *refs):
+        *key_refs, o_ref = refs
+        p = _Program.load(slot_ref, visible_ref, q_ref, w_ref, fp4)
 
-        @pl.loop(0, CHUNK)
-        def _(j):
-            e0 = (chunk * CHUNK + j) * BLOCK_N
+        def block(e0):
             at = pl.ds(e0, BLOCK_N)
 
-            @pl.when((e0 < n) & (e0 < seen))
+            @pl.when((e0 < n) & (e0 < p.seen))
             def _():
-                score = _block_scores(keys_ref[rows_ref[request, at], :], qt, wt, scale)   # keys gathered
+                score = _block_scores(key_refs, rows_ref[p.request, at], p.q_parts, p.wt, scale)   # keys gathered
                 entry = e0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_N,), 0)
-                o_ref[row, at] = jnp.where(entry < seen, score, -jnp.inf)
+                o_ref[p.row, at] = jnp.where(entry < p.seen, score, -jnp.inf)
 
-            @pl.when((e0 < n) & (e0 >= seen))
+            @pl.when((e0 < n) & (e0 >= p.seen))
             def _():
-                o_ref[row, at] = jnp.full((BLOCK_N,), -jnp.inf, jnp.float32)
+                o_ref[p.row, at] = jnp.full((BLOCK_N,), -jnp.inf, jnp.float32)
+        p.each_block(block)
 
     return pl.pallas_call(
         kernel, grid=(t, -(-n // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,
-    )(slot, visible, q, w, keys, rows)
+        compiler_params=_PARAMS, interpret=interpret,
+    )(slot, visible, q, w, rows, *key_leaves)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
@@ -93,34 +159,29 @@ def index_scores_listed(q, w, keys, rows, slot, visible, listed, *, scale: float
     """Only the entries ``listed [T, S]`` for each row (-1: none; the candidate blocks' entries
     past the candidate source), -inf elsewhere: the keys of the other entries are never read.
     A program per (row, chunk of listed entries); the scores are scattered into an output
-    filled with -inf beforehand (a write of 4 bytes an entry, against a key row's 256 read)."""
-    t, n = q.shape[0], rows.shape[1]
-    _check(q, keys, n, listed)
-    s_len = listed.shape[1]
+    filled with -inf beforehand (a write of 4 bytes an entry, against a key row's 68 or 256 read)."""
+    t, n, s_len = q.shape[0], rows.shape[1], listed.shape[1]
+    key_leaves, fp4 = _check(q, keys, n, listed)
 
-    def kernel(slot_ref, visible_ref, q_ref, w_ref, keys_ref, rows_ref, listed_ref, _, o_ref):
-        row, chunk = pl.program_id(0), pl.program_id(1)
-        seen, request = visible_ref[row], slot_ref[row]
-        qt, wt = q_ref[row], w_ref[row]
+    def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, listed_ref, _, *refs):
+        *key_refs, o_ref = refs
+        p = _Program.load(slot_ref, visible_ref, q_ref, w_ref, fp4)
 
-        @pl.loop(0, CHUNK)
-        def _(j):
-            e0 = (chunk * CHUNK + j) * BLOCK_N
-
+        def block(e0):
             @pl.when(e0 < s_len)
             def _():
-                entry = listed_ref[row, pl.ds(e0, BLOCK_N)]
-                ok = (entry >= 0) & (entry < seen)
-                score = _block_scores(keys_ref[rows_ref[request, jnp.where(ok, entry, 0)], :], qt, wt, scale)
+                entry = listed_ref[p.row, pl.ds(e0, BLOCK_N)]
+                ok = (entry >= 0) & (entry < p.seen)
+                score = _block_scores(key_refs, rows_ref[p.request, jnp.where(ok, entry, 0)], p.q_parts, p.wt, scale)
                 # masked lanes write nothing; their address is past the row (where the interpreter,
                 # which emulates the mask, drops the write: at a real entry it could collide)
-                plt.store(o_ref.at[row, jnp.where(ok, entry, n)], score, mask=ok)
+                plt.store(o_ref.at[p.row, jnp.where(ok, entry, n)], score, mask=ok)
+        p.each_block(block)
 
     return pl.pallas_call(
         kernel, grid=(t, -(-s_len // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
-        input_output_aliases={7: 0}, compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-    )(slot, visible, q, w, keys, rows, listed, jnp.full((t, n), -jnp.inf, jnp.float32))
+        input_output_aliases={6: 0}, compiler_params=_PARAMS, interpret=interpret,
+    )(slot, visible, q, w, rows, listed, jnp.full((t, n), -jnp.inf, jnp.float32), *key_leaves)
 
 
 def index_scores_reference(q, w, keys, rows, slot, visible, listed=None, *, scale: float, exact_bf16: bool,
@@ -133,7 +194,8 @@ def index_scores_reference(q, w, keys, rows, slot, visible, listed=None, *, scal
     t, n = q.shape[0], rows.shape[1]
 
     def score(q_t, w_t, slot_t):   # one row against every entry of its request
-        return scores_of_one(q_t, w_t, keys[rows[slot_t]], scale, exact_bf16)
+        mine = keys.at_rows(rows[slot_t]).dequantized() if isinstance(keys, Fp4Keys) else keys[rows[slot_t]]
+        return scores_of_one(q_t, w_t, mine, scale, exact_bf16)
 
     chunk = max(1, pass_bytes // (4 * n * (q.shape[2] + q.shape[1])))
     scores = (jax.vmap(score)(q, w, slot) if chunk >= t

@@ -278,7 +278,7 @@ class HiCache:
         n = 1
         while True:
             np.asarray(self.device.read_pages([0] * n))
-            zeros = np.zeros((n, self.layout.page_elems), self.layout.np_dtype)
+            zeros = np.zeros((n, self.layout.page_bytes), self.layout.np_dtype)
             self.device.write_pages([self.device_pages] * n, zeros)
             if n >= max_pages:
                 return

@@ -1,12 +1,13 @@
 """A V4.1 KV page as the host and storage tiers hold it (serve/hicache.py): its contents, its key, its copies.
 
 What a page holds. Only the *global* state of its ``page_size`` tokens: for every KV source, its
-``page_size // ratio`` compressed-KV rows and as many indexer-key rows, in the pools' dtype, laid end
-to end (``PageLayout``: the sources' KV rows, then their key rows). The window rings are never stored:
-a hit restarts ``window`` tokens before its end and encoder replay rebuilds them (MODEL_SPEC §6), as
-for a device hit. The ratio-2 pending pair at a page's end is part of the format in principle, but it
-is always empty: page sizes are even (``EngineConfig``), so a page boundary closes every ratio-2 group
-and no token of a cached page waits for a partner; the replay regenerates the tails in any case.
+``page_size // ratio`` compressed-KV rows and as many indexer-key rows, as the pools store them (the
+keys as FP4 records), their bytes laid end to end (``PageLayout``: the sources' KV rows, then their key
+rows). The window rings are never stored: a hit restarts ``window`` tokens before its end and encoder
+replay rebuilds them (MODEL_SPEC §6), as for a device hit. The ratio-2 pending pair at a page's end is
+part of the format in principle, but it is always empty: page sizes are even (``EngineConfig``), so a
+page boundary closes every ratio-2 group and no token of a cached page waits for a partner; the replay
+regenerates the tails in any case.
 
 A page's key is a chained SHA-256: ``key_j = H(key_{j-1} || tokens of page j)`` from ``key_{-1} =
 H(model identity)``, so it names the page's whole prefix (two prompts share a key only if they share
@@ -14,8 +15,8 @@ every token before it) and pages of another model, page size or KV dtype never m
 (``model_identity``).
 
 The copies are jitted gathers and scatters of whole pages between the device pools and ``[n,
-page_elems]`` arrays, padded to a power of two of pages so a handful of programs serve every count
-(a padded scatter row lands out of range and is dropped).
+page_bytes]`` uint8 arrays, padded to a power of two of pages so a handful of programs serve every
+count (a padded scatter row lands out of range and is dropped).
 """
 from __future__ import annotations
 
@@ -29,41 +30,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
+from model.state import index_pool
 
 
 @dataclass(frozen=True)
 class PageLayout:
-    """The pools a page spans: ``(rows a page, row width)`` for each source's compressed KV, then
-    for each source's indexer keys, all in ``dtype``."""
+    """The pool arrays a page spans, as bytes: ``(rows a page, bytes a row)`` for each array of each
+    source's compressed KV, then of its indexer keys (an FP4 key pool is two arrays, codes and
+    scales: ``model.state.index_pool``). A page is their rows' bytes end to end (uint8)."""
     page_size: int
     ratios: tuple[int, ...]  # per KV source
-    head_dim: int
-    index_head_dim: int
-    dtype: str
+    parts: tuple[tuple[int, int], ...]
 
     @classmethod
     def of(cls, cfg: ModelConfig, page_size: int, dtype) -> "PageLayout":
         ratios = tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
         if any(page_size % r for r in ratios):
             raise ValueError(f"page_size {page_size} must be a multiple of every compress ratio {ratios}")
-        return cls(page_size, ratios, cfg.head_dim, cfg.index_head_dim, jnp.dtype(dtype).name)
-
-    @property
-    def parts(self) -> tuple[tuple[int, int], ...]:
-        rows = [self.page_size // r for r in self.ratios]
-        return tuple((n, self.head_dim) for n in rows) + tuple((n, self.index_head_dim) for n in rows)
+        row = jnp.dtype(dtype).itemsize * cfg.head_dim
+        keys = [a.shape[1] * a.dtype.itemsize for a in jax.tree.leaves(index_pool(cfg, 1, dtype))]
+        rows = [page_size // r for r in ratios]
+        return cls(page_size, ratios, tuple((n, row) for n in rows) + tuple((n, b) for n in rows for b in keys))
 
     @property
     def np_dtype(self) -> np.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def page_elems(self) -> int:
-        return sum(n * w for n, w in self.parts)
+        return np.dtype(np.uint8)
 
     @property
     def page_bytes(self) -> int:
-        return self.page_elems * jnp.dtype(self.dtype).itemsize
+        return sum(n * b for n, b in self.parts)
 
     @property
     def bytes_per_token(self) -> float:
@@ -114,36 +109,52 @@ def _rows(pages: jax.Array, per: int) -> jax.Array:
     return (pages[:, None] * per + jnp.arange(per)).reshape(-1)
 
 
+def _as_bytes(rows: jax.Array) -> jax.Array:
+    """``[n, w]`` of any dtype → ``[n, w * itemsize]`` uint8 (its bytes, in memory order)."""
+    if rows.dtype == jnp.uint8:
+        return rows
+    return jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(rows.shape[0], -1)
+
+
+def _from_bytes(data: jax.Array, dtype) -> jax.Array:
+    """The inverse of ``_as_bytes``."""
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return jax.lax.bitcast_convert_type(data, dtype) if data.dtype != dtype else data
+    return jax.lax.bitcast_convert_type(data.reshape(data.shape[0], -1, size), dtype)
+
+
 @partial(jax.jit, static_argnames="layout")
 def _gather(pools: tuple, pages: jax.Array, layout: PageLayout) -> jax.Array:
-    parts = [pool[_rows(pages, n)].reshape(pages.shape[0], n * w) for pool, (n, w) in zip(pools, layout.parts)]
+    parts = [_as_bytes(pool[_rows(pages, n)]).reshape(pages.shape[0], n * b)
+             for pool, (n, b) in zip(pools, layout.parts)]
     return jnp.concatenate(parts, axis=1)
 
 
 @partial(jax.jit, static_argnames="layout", donate_argnums=0)
 def _scatter(pools: tuple, pages: jax.Array, data: jax.Array, layout: PageLayout) -> tuple:
     out, at = [], 0
-    for pool, (n, w) in zip(pools, layout.parts):
-        rows = data[:, at:at + n * w].reshape(-1, w).astype(pool.dtype)
+    for pool, (n, b) in zip(pools, layout.parts):
+        rows = _from_bytes(data[:, at:at + n * b].reshape(-1, b), pool.dtype)
         out.append(pool.at[_rows(pages, n)].set(rows, mode="drop"))
-        at += n * w
+        at += n * b
     return tuple(out)
 
 
 def read_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], layout: PageLayout) -> jax.Array:
-    """``[n, page_elems]`` on the device, dispatched (not waited for): row i is ``pages[i]``, and the
-    rows past ``len(pages)`` pad ``n`` to a power of two (left unsliced: a slice would be a program
-    for every count)."""
-    return _gather(tuple(comp_kv) + tuple(index_k), jnp.asarray(_padded(pages, 0)), layout)
+    """``[n, page_bytes]`` uint8 on the device, dispatched (not waited for): row i is ``pages[i]``,
+    and the rows past ``len(pages)`` pad ``n`` to a power of two (left unsliced: a slice would be a
+    program for every count)."""
+    return _gather(tuple(jax.tree.leaves((comp_kv, index_k))), jnp.asarray(_padded(pages, 0)), layout)
 
 
 def write_pages(comp_kv: tuple, index_k: tuple, pages: Sequence[int], data: np.ndarray,
                 layout: PageLayout) -> tuple[tuple, tuple]:
-    """The pools with ``data`` (``[len(pages), page_elems]``) written into ``pages``; the old pools
+    """The pools with ``data`` (``[len(pages), page_bytes]``) written into ``pages``; the old pools
     are donated."""
     idx = _padded(pages, comp_kv[0].shape[0] * layout.ratios[0] // layout.page_size)   # past the pool: dropped
-    rows = np.zeros((len(idx), layout.page_elems), data.dtype)
+    rows = np.zeros((len(idx), layout.page_bytes), np.uint8)
     rows[:len(pages)] = data
-    out = _scatter(tuple(comp_kv) + tuple(index_k), jnp.asarray(idx), jnp.asarray(rows), layout)
-    k = len(comp_kv)
-    return out[:k], out[k:]
+    leaves, tree = jax.tree.flatten((comp_kv, index_k))
+    out = _scatter(tuple(leaves), jnp.asarray(idx), jnp.asarray(rows), layout)
+    return jax.tree.unflatten(tree, out)

@@ -323,14 +323,10 @@ class ModelRunner:
         self.broadcast = None   # process 0 of several: its steps' inputs go to the others first
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
+        # the engine owns the page pool: the compressed pools are sized by num_pages, not per slot
         model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8,
-                           spec_tokens=0 if spec is None else spec.num_drafts, expert_load=count_experts)
-        # The engine owns the page pool: size the compressed pools by num_pages, not per slot.
-        model = model.replace(
-            comp_kv=tuple(jnp.zeros((num_pages * page_size // r, cfg.head_dim), p.dtype)
-                          for r, p in zip(self._ratios(), model.comp_kv)),
-            index_k=tuple(jnp.zeros((num_pages * page_size // r, cfg.index_head_dim), p.dtype)
-                          for r, p in zip(self._ratios(), model.index_k)))
+                           spec_tokens=0 if spec is None else spec.num_drafts, expert_load=count_experts,
+                           num_pages=num_pages)
         v = cfg.vocab_size
         self.state = DeviceState(model, jnp.zeros((max_running, v), jnp.int32),
                                  jnp.zeros((max_running, v), bool), jnp.zeros((max_running,), jnp.int32))
@@ -342,9 +338,6 @@ class ModelRunner:
         self.signature = Signature.of(cfg, num_top, params, self.state, engram_map, spec=spec)
         self.page_layout = PageLayout.of(cfg, page_size, state_dtype(params))
         self._compiles_at_start = self.programs.compiles
-
-    def _ratios(self) -> list[int]:
-        return [self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids]
 
     def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
         """Dispatch one step; returns its samples as ``SampleOutput.packed`` rows on the device,

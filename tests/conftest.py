@@ -128,6 +128,15 @@ class GoldenModel:
         return np.concatenate(logits), traces
 
 
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs each run; the seed is in the test's report so a failure replays."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return GoldenModel("v41_tiny")

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -71,7 +72,8 @@ def test_host_tier_serves_repeats_the_device_pool_lost(tiny, prompts, l1_hits):
     engine = _engine(tiny, HiCacheConfig())
     for p in prompts:
         _run(engine, p)
-    pools = lambda: [np.asarray(x) for m in [engine.runner.state.model] for x in m.comp_kv + m.index_k]  # noqa: E731
+    pools = lambda: [np.asarray(x) for m in [engine.runner.state.model]  # noqa: E731
+                     for x in jax.tree.leaves((m.comp_kv, m.index_k))]
     before = pools()
     engine.hicache.warmup(8)   # compiles the page copies; its writes land past the pool
     assert all(np.array_equal(a, b) for a, b in zip(before, pools()))

@@ -15,19 +15,14 @@ import pytest
 import mega.indexer
 from mega import backend
 from model import quant
+from pallas_kernels.block_scaled import Fp4Keys
 from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_listed, index_scores_reference
 
 
-@pytest.fixture
-def rng(request):
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
-
-def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16):
-    """Queries of ``sum(rows_per_slot)`` rows over ``slots`` requests of ``n`` entries each."""
+def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16, fp4=False):
+    """Queries of ``sum(rows_per_slot)`` rows over ``slots`` requests of ``n`` entries each; the
+    keys in bf16, or with ``fp4`` as the model stores them (``Fp4Keys``)."""
     pages = n // per_page
     pool_rows = slots * n + 2 * per_page                       # spare pages: rows no request maps
     order = rng.permutation(pool_rows // per_page)[:slots * pages].reshape(slots, pages)
@@ -37,17 +32,19 @@ def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16)
     t = len(slot)
     visible = rng.integers(0, n + 1, t)
     visible[:4] = [0, n, BLOCK_N, BLOCK_N + 5][:t][:4]
-    fp4 = lambda shape: quant.fp4_block32(jnp.asarray(rng.normal(size=shape), jnp.float32))  # noqa: E731
-    q = fp4((t, heads, head_dim))
-    keys = fp4((pool_rows, head_dim)).astype(jnp.bfloat16)
+    on_grid = lambda shape: quant.fp4_block32(jnp.asarray(rng.normal(size=shape), jnp.float32))  # noqa: E731
+    q = on_grid((t, heads, head_dim))
+    keys = on_grid((pool_rows, head_dim))
+    keys = Fp4Keys.from_float(keys) if fp4 else keys.astype(jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(t, heads)) * heads ** -0.5, jnp.float32)
     return q, w, keys, jnp.asarray(rows, jnp.int32), jnp.asarray(slot, jnp.int32), jnp.asarray(visible, jnp.int32)
 
 
+@pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
 @pytest.mark.parametrize("heads,head_dim,n", [(16, 64, 192), (64, 128, 64 * CHUNK + 128)],
                          ids=["one-program-a-row", "two-programs-a-row"])
-def test_kernel_matches_reference(rng, heads, head_dim, n):
-    q, w, keys, rows, slot, visible = case(rng, heads, head_dim, n)
+def test_kernel_matches_reference(rng, heads, head_dim, n, fp4):
+    q, w, keys, rows, slot, visible = case(rng, heads, head_dim, n, fp4=fp4)
     scale = head_dim ** -0.5
     got = np.asarray(index_scores(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, scale=scale, interpret=True))
     want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True,
@@ -59,11 +56,12 @@ def test_kernel_matches_reference(rng, heads, head_dim, n):
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5 * np.abs(want[seen]).max())
 
 
-def test_listed_kernel_scores_only_the_listed_entries(rng):
+@pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
+def test_listed_kernel_scores_only_the_listed_entries(rng, fp4):
     """Past the candidate source a row scores its candidate blocks' entries alone: a list per row
     with -1 padding and entries past its visible ones, in any order; every other entry -inf."""
     n, blocks, block = 256, 16, 8
-    q, w, keys, rows, slot, visible = case(rng, 16, 64, n)
+    q, w, keys, rows, slot, visible = case(rng, 16, 64, n, fp4=fp4)
     t = q.shape[0]
     ids = np.stack([rng.permutation(n // block)[:blocks] for _ in range(t)])
     listed = (ids[:, :, None] * block + np.arange(block)).reshape(t, -1)
@@ -85,7 +83,7 @@ def test_listed_kernel_scores_only_the_listed_entries(rng):
 def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     """``mega.indexer.index_scores`` runs the kernel (here interpreted) for bf16 keys, FP4 values
     and power-of-two heads, and the reference otherwise, with the same results."""
-    q, w, keys, rows, slot, visible = case(rng, 16, 64, 128)
+    q, w, keys, rows, slot, visible = case(rng, 16, 64, 128, fp4=True)
     calls = []
     kernel = mega.indexer.index_scores_kernel
     monkeypatch.setattr(mega.indexer, "index_scores_kernel", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
@@ -97,20 +95,23 @@ def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")
     path = mega.indexer.kernel_path
-    assert path(64, 128, 32768, jnp.bfloat16, True).kernel
-    assert "FP4" in path(64, 40, 32768, jnp.bfloat16, False).text
-    assert "float32" in path(64, 128, 32768, jnp.float32, True).text
-    assert "2 heads" in path(2, 64, 32768, jnp.bfloat16, True).text and not path(64, 128, 100, jnp.bfloat16, True).kernel
+    assert path(64, 128, 32768, "fp4", True).kernel and path(64, 128, 32768, "bfloat16", True).kernel
+    assert "FP4" in path(64, 40, 32768, "bfloat16", False).text
+    assert "float32" in path(64, 128, 32768, "float32", True).text
+    assert "2 heads" in path(2, 64, 32768, "fp4", True).text and not path(64, 128, 100, "fp4", True).kernel
     assert backend.interpreting() is False
 
 
 @pytest.mark.parametrize("t_len,n", [(1024, 65664), (4096, 131328)], ids=["decode-256x4-128K", "prefill-4K-128K"])
 @pytest.mark.parametrize("listed", [False, True], ids=["all", "candidates"])
-def test_lowers_for_cuda_at_v41_shapes(t_len, n, listed):
-    """V4.1-Flash: 64 index heads x 128, a 128K context at ratio 2 and 1; past the candidate
+@pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
+def test_lowers_for_cuda_at_v41_shapes(t_len, n, listed, fp4):
+    """V4.1-Flash: 32 index heads x 128, a 128K context at ratio 2 and 1; past the candidate
     source, 2048 candidate blocks of 8 entries."""
     sds = jax.ShapeDtypeStruct
-    args = [sds((t_len, 64, 128), jnp.bfloat16), sds((t_len, 64), jnp.float32), sds((256 * n, 128), jnp.bfloat16),
+    keys = (Fp4Keys(sds((256 * n, 64), jnp.uint8), sds((256 * n, 4), jnp.uint8)) if fp4
+            else sds((256 * n, 128), jnp.bfloat16))
+    args = [sds((t_len, 32, 128), jnp.bfloat16), sds((t_len, 32), jnp.float32), keys,
             sds((256, n), jnp.int32), sds((t_len,), jnp.int32), sds((t_len,), jnp.int32)]
     if listed:
         fn = jax.jit(lambda *a: index_scores_listed(*a, scale=128 ** -0.5))
@@ -122,6 +123,6 @@ def test_lowers_for_cuda_at_v41_shapes(t_len, n, listed):
 
 def test_refuses_shapes_it_cannot_tile():
     z = jnp.zeros
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="powers of two"):   # 12 heads
         index_scores(z((2, 12, 64), jnp.bfloat16), z((2, 12)), z((64, 64), jnp.bfloat16), z((1, 64), jnp.int32),
                      z(2, jnp.int32), z(2, jnp.int32), scale=1.0)

@@ -80,7 +80,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
                                               dtype="bfloat16"))
     paths = engine.kernel_paths   # what the start-up log says is what runs
     assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
-    assert paths["mega.indexer"] == "pallas indexer"
+    assert paths["mega.indexer"] == "pallas indexer (fp4 keys)"
     assert ("fp8 window" in paths["mega.attention"]) == (kv_cache_dtype == "fp8_e4m3")
     assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],

@@ -22,14 +22,6 @@ from pallas_kernels.grouped_gemm import (GemmConfig, grouped_matmul, grouped_mat
 INTERPRET = InterpretGPUParams(detect_races=True)
 
 
-@pytest.fixture
-def rng(request):
-    """Fresh random inputs each run; the seed is in the test's report so a failure replays."""
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
 
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

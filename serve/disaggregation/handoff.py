@@ -16,7 +16,7 @@ class Reservation:
 
 @dataclass
 class Prefilled:
-    """A prompt's state after P's prefill: its whole pages (``kv_pages`` format: ``[n, page_elems]``,
+    """A prompt's state after P's prefill: its whole pages (``kv_pages`` format: ``[n, page_bytes]`` uint8,
     rows past ``n_pages`` are padding; None when the prompt has no whole page) and the first token P
     sampled, with its logprobs when the request asked for them."""
     n_pages: int
