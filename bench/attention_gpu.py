@@ -57,7 +57,7 @@ from gpu_common import (ceilings, gpu_timeline, rel_err, run_info, time_jax_one_
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
     STAGES, sparse_mqa, sparse_mqa_reference)
-from pallas_kernels.sparse_attention_tiles import launch  # noqa: E402
+from pallas_kernels.sparse_attention_tiles import TUNING, launch  # noqa: E402
 from model.quant import fp8_block32_parts  # noqa: E402
 from pallas_kernels.block_scaled import Fp8Pool, ue8m0  # noqa: E402
 
@@ -151,7 +151,7 @@ def run(args):
             t, (wkv, ckv), draw, distinct_rows = make_case(kind, n, h, d, win, topk, comp_pool, rng)
             case["T"] = t
             q0, w0, c0 = draw(1)
-            chunks = -(-win // 64) + -(-topk // 64)            # 64-row key chunks per query
+            chunks = -(-win // TUNING.block_kv) + -(-topk // TUNING.block_kv)   # key chunks per query
             case["kernel_splits"] = launch(t, h, chunks, getattr(jax.devices()[0], "core_count", 0)).splits
             n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
             kv_bytes = (n_w + n_c) * d * 2
@@ -187,7 +187,7 @@ def run(args):
         if args.per_item and case["kernel_splits"] == 1:   # against the persistent grid: one CTA per item
             chosen.append(("pallas_bf16[one item per CTA]", "pallas_fp8[one item per CTA]",
                            *kernels(ctas=t * h // 64)))
-        if args.persistent and case["kernel_splits"] == 1:   # against one CTA per item (fp8's default)
+        if args.persistent and case["kernel_splits"] == 1:   # one CTA per SM, as the default
             chosen.append(("pallas_bf16[one CTA per SM]", "pallas_fp8[one CTA per SM]",
                            *kernels(ctas=min(t * h // 64, jax.devices()[0].core_count))))
         chunk = xla_chunk if t > xla_chunk and t % xla_chunk == 0 else None

@@ -6,10 +6,11 @@ Cases: decode (8, 64 and 256 requests x 4 rows: a token and 3 drafts) against a 
 last 4K positions of its 128K) against ratio 2; and the layers past the candidate source,
 which score 2,048 candidate blocks of 8 entries a row (random blocks here) of a ratio-1 pool
 (decode 64 and 256 requests, prefill 4K rows). Keys as the model stores them (FP4 records, 68
-bytes an entry) and, for comparison, the same values in bf16; pages shuffled. Each implementation goes through ``mega.indexer``'s two
-paths (kernel and reference) with the model's arguments; the kernel is checked against the
-reference on every case. Roofline: each request's visible keys read once, the scores written
-once, the dots at the bf16 matmul rate.
+bytes an entry) and, for comparison, the same values in bf16; pages shuffled. The implementations
+are ``mega.indexer``'s two (the kernels of ``pallas_kernels.indexer`` and their XLA reference),
+called as the operator calls them; the kernels are checked against the reference on every case.
+Roofline: each request's scored keys read once, the scores written once, the dots at the bf16
+matmul rate.
 
     python3 bench/indexer_gpu.py              # on the GPU, writes $OUT/indexer_gpu.json
     python3 bench/indexer_gpu.py --smoke      # CPU: tiny shapes, the kernel interpreted

@@ -3,11 +3,11 @@
 One process plays P (it ``offer``s page arrays under rooms), the other D (it ``fetch``es them by the
 address P publishes), through the same ``KVTransfer`` objects the servers use; each size is pulled
 ``--reps`` times (fresh arrays, checked against what P sent) after one warm-up pull. Sizes are page
-arrays of V4.1-Flash's pages' bytes, ``[n, page_elems]`` bf16: 2,730 B a token (its four KV sources'
-compressed KV in bf16 and indexer keys as FP4 records), 64 tokens a page, so a row of the table is a
-prompt of n x 64 tokens. Ceiling measured beside each size: one host memcpy of as many bytes. Peers:
-GPU_KERNELS §7 (jax.experimental.transfer 2.3 GiB/s on CUDA, cross-process device_put 155 GiB/s between
-two H200 processes).
+arrays of as many bytes as V4.1-Flash's pages (sent as bf16 ``[n, elems]``): 2,730 B a token, its four
+KV sources' compressed KV in bf16 and indexer keys as FP4 records (``serve.kv_pages.PageLayout`` of the
+Flash config), 64 tokens a page, so a row of the table is a prompt of n x 64 tokens. Ceiling measured
+beside each size: one host memcpy of as many bytes. Peers: GPU_KERNELS §7 (jax.experimental.transfer 2.3
+GiB/s on CUDA, cross-process device_put 155 GiB/s between two H200 processes).
 
     python bench/pd_transfer.py                    # writes $OUT/pd_transfer.json (bench_out/ without $OUT)
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAGE_TOKENS = 64
-FLASH_BYTES_PER_TOKEN = 2730   # serve.kv_pages.PageLayout of V4.1-Flash in bf16
+FLASH_BYTES_PER_TOKEN = 2730   # serve.kv_pages.PageLayout of V4.1-Flash in bf16 (bench/RESULTS.md)
 PAGE_ELEMS = FLASH_BYTES_PER_TOKEN * PAGE_TOKENS // 2   # bf16
 
 

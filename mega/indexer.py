@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mega import backend
-from pallas_kernels.block_scaled import Fp4Keys
+from pallas_kernels.block_scaled import Fp4Keys, stored_kind
 from pallas_kernels.indexer import (fits, index_scores as index_scores_kernel, index_scores_listed,
                                     index_scores_reference)
 
@@ -33,31 +33,25 @@ from pallas_kernels.indexer import (fits, index_scores as index_scores_kernel, i
 INDEX_PASS_BYTES = 8 << 30
 
 
-def keys_kind(keys) -> str:
-    """How an index-key pool is stored: ``"fp4"`` (``Fp4Keys``) or its dtype's name."""
-    return "fp4" if isinstance(keys, Fp4Keys) else jnp.dtype(keys.dtype).name
-
-
 def kernel_path(heads: int, head_dim: int, n: int, kind: str, exact_bf16: bool) -> backend.Path:
-    """Which implementation scores ``heads`` x ``head_dim`` queries against ``n`` entries a request
-    of keys stored as ``kind`` (``keys_kind``)."""
+    """Which implementation scores ``heads`` x ``head_dim`` queries against ``n`` entries (or listed
+    entries) a row, of keys stored as ``kind`` (``block_scaled.stored_kind``)."""
     why = backend.kernels_off()
-    if why is None and kind not in ("fp4", "bfloat16"):
-        why = f"{kind} index keys; the kernel takes FP4 records or bfloat16"
     if why is None and not exact_bf16:
         why = f"index head_dim {head_dim} is not FP4-quantised (bf16 operands would round)"
-    if why is None and not fits(heads, head_dim, n):
-        why = f"{heads} heads x {head_dim} against {n} entries; the kernel takes powers of two from 16, N in 64s"
+    if why is None and not fits(heads, head_dim, n, kind):
+        why = (f"{heads} heads x {head_dim} of {kind} keys against {n} entries; the kernel takes powers of two "
+               f"from 16 (head_dim in 64s for FP4 keys), FP4 or bfloat16 keys, entries in 64s")
     return backend.Path.reference(why) if why else backend.Path(True, f"pallas indexer ({kind} keys)")
 
 
 @jax.named_scope("mega_indexer")  # prefixes its ops' names in HLO dumps and XProf
-def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: jnp.ndarray, rows: jnp.ndarray, slot: jnp.ndarray,
+def index_scores(q: jnp.ndarray, w: jnp.ndarray, keys: Fp4Keys | jnp.ndarray, rows: jnp.ndarray, slot: jnp.ndarray,
                  visible: jnp.ndarray, listed: jnp.ndarray | None, exact_bf16: bool) -> jnp.ndarray:
     _, h, d = q.shape
     scale = d ** -0.5
     width = rows.shape[1] if listed is None else listed.shape[1]
-    if kernel_path(h, d, width, keys_kind(keys), exact_bf16).kernel:
+    if kernel_path(h, d, width, stored_kind(keys), exact_bf16).kernel:
         args = (q.astype(jnp.bfloat16), w, keys, rows, slot, visible)
         if listed is None:
             return index_scores_kernel(*args, scale=scale, interpret=backend.interpreting())

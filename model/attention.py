@@ -39,14 +39,14 @@ class Published(NamedTuple):
 
     comp_idx: jnp.ndarray | None = None  # [T, K] pool rows selected by the last index source
     candidates: jnp.ndarray | None = None  # [T, N] entry mask of the candidate source
-    candidate_entries: jnp.ndarray | None = None  # [T, C * block] the same entries listed (-1: none)
+    candidate_entries: jnp.ndarray | None = None  # [T, candidate_width] the same entries listed (-1: none)
     entries: jnp.ndarray | None = None  # [T, K] the selected entry numbers (-1: none), for traces
     scores: jnp.ndarray | None = None  # [T, N] the index scores the selection ran on, for traces
 
 
 class SourceUpdate(NamedTuple):
     comp_kv: jnp.ndarray
-    index_k: jnp.ndarray
+    index_k: Fp4Keys | jnp.ndarray
     tail_kv: jnp.ndarray
     tail_gate: jnp.ndarray
 
@@ -109,6 +109,12 @@ def index_queries(r: jnp.ndarray, x: jnp.ndarray, p: dict, info: StepInfo, cfg: 
     return q.astype(jnp.float32), w
 
 
+def candidate_width(cfg: ModelConfig, n: int) -> int:
+    """Entries listed a row past the candidate source, of a pool of ``n`` entries a request."""
+    bs = cfg.candidate_block_size
+    return min(cfg.candidate_topk_blocks, -(-n // bs)) * bs
+
+
 def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
                      ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The top blocks per query, the newest visible block pinned (§3.8): their entries as a mask
@@ -120,7 +126,7 @@ def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
     block = padded.reshape(t, n_blocks, bs).max(-1)
     newest = (visible - 1) // bs  # -1 when nothing is visible: pins nothing
     block = jnp.where(jnp.arange(n_blocks)[None] == newest[:, None], jnp.inf, block)
-    vals, ids = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, n_blocks))
+    vals, ids = jax.lax.top_k(block, candidate_width(cfg, n) // bs)
     keep = jnp.zeros((t, n_blocks), bool).at[jnp.arange(t)[:, None], ids].set(vals > -jnp.inf)
     entries = ids[:, :, None] * bs + jnp.arange(bs)
     listed = jnp.where((vals > -jnp.inf)[:, :, None] & (entries < n), entries, -1).reshape(t, -1)

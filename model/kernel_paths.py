@@ -13,9 +13,11 @@ import jax.numpy as jnp
 
 from mega import attention, indexer, moe
 from model import quant
+from model.attention import candidate_width
 from model.config import ModelConfig
 from model.forward import moe_spec
 from model.state import index_pool, state_dtype
+from pallas_kernels.block_scaled import stored_kind
 
 
 def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slot_tokens: int,
@@ -26,22 +28,31 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     pools = [jnp.float8_e4m3fn if window_fp8 else dtype] + [dtype] * bool(cfg.kv_source_layer_ids)
     out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
     exact = quant.fp4_block32_active(cfg.index_head_dim)
-    ratios = sorted({cfg.compress_ratios[i] for i in cfg.index_source_layer_ids})
-    keys = indexer.keys_kind(index_pool(cfg, 1, dtype))
-    paths = {r: indexer.kernel_path(cfg.index_n_heads, cfg.index_head_dim, slot_tokens // r, keys, exact).text
-             for r in ratios}
-    if paths:
-        out["mega.indexer"] = (next(iter(paths.values())) if len(set(paths.values())) == 1 else
-                               "; ".join(f"{path} at ratio {r}" for r, path in paths.items()))
+    keys = stored_kind(index_pool(cfg, 1, dtype))
+    layers: dict[str, list[int]] = {}
+    for i in cfg.index_source_layer_ids:   # past the candidate source a row scores its candidates' entries
+        n = slot_tokens // cfg.compress_ratios[i]
+        src = cfg.candidate_source_layer_id
+        width = candidate_width(cfg, n) if src is not None and i > src else n
+        layers.setdefault(indexer.kernel_path(cfg.index_n_heads, cfg.index_head_dim, width, keys, exact).text,
+                          []).append(i)
+    if layers:
+        out["mega.indexer"] = _summary(layers, lambda ls: f"layers {ls}")
     spec = moe_spec(cfg)
-    by_path: dict[str, list[int]] = {}
+    sizes: dict[str, list[int]] = {}
     for t in sorted(step_tokens):
-        by_path.setdefault(moe.plan(dtype, params["layers"][0]["moe"], spec, t * spec.top_k).path.text, []).append(t)
-    out["mega.moe"] = (next(iter(by_path)) if len(by_path) == 1 else
-                       "; ".join(f"{path} at {ts[0]}-{ts[-1]} tokens" for path, ts in by_path.items()))
+        sizes.setdefault(moe.plan(dtype, params["layers"][0]["moe"], spec, t * spec.top_k).path.text, []).append(t)
+    out["mega.moe"] = _summary(sizes, lambda ts: f"{ts[0]}-{ts[-1]} tokens")
     out["mega.mhc_step"] = "XLA (no Pallas kernel yet)"
     if cfg.engram_layer_ids:
         table = params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].dtype
         out["mega.engram"] = f"XLA ({jnp.dtype(table).name} table)"
     out["linears"] = f"XLA dots on {jnp.dtype(dtype).name} weights"
     return out
+
+
+def _summary(by_path: dict[str, list[int]], where) -> str:
+    """The one path, or each path with ``where`` of the layers or sizes that take it."""
+    if len(by_path) == 1:
+        return next(iter(by_path))
+    return "; ".join(f"{path} at {where(values)}" for path, values in by_path.items())

@@ -30,11 +30,12 @@ Pages are counted in tokens: page ``j`` of a request covers its tokens
 ratio-``r`` source, so an even page size never splits a ratio-2 group. ``init_state``
 gives each slot its own contiguous pages; the engine will hand pages out itself.
 
-The rings and pools take the model's activation ``dtype`` (``state_dtype(params)``): they hold
-fake-quantised values (FP8, NVFP4 and FP4 grids), which bf16 represents exactly, so a bf16
-model keeps its KV in bf16 (half the bytes of fp32, and the dtype the attention kernel reads).
-The indexer keys are stored as the FP4 records they are (``Fp4Keys``, 68 bytes a 128-channel
-row), which give back the same values.
+The rings and the compressed-KV pools take the model's activation ``dtype``
+(``state_dtype(params)``): they hold fake-quantised values (FP8 and NVFP4 grids), which bf16
+represents exactly, so a bf16 model keeps its KV in bf16 (half the bytes of fp32, and the dtype
+the attention kernel reads). The indexer keys are stored as the FP4 records they are
+(``Fp4Keys``, 68 bytes a 128-channel row), which give back the same values; where the FP4
+quantiser passes them through (``index_head_dim`` not in 32s), as ``dtype`` values.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class ModelState:
     seq_lens: jnp.ndarray  # int32 [B]
     window: tuple  # per backbone layer: [B, ring_rows, head_dim], or an Fp8Ring
     comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
-    index_k: tuple  # per KV source: Fp4Keys of pages * page_size // ratio rows (index_pool)
+    index_k: tuple  # per KV source: pages * page_size // ratio rows (index_pool: Fp4Keys, or dtype values)
     tail_kv: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     tail_gate: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     page_table: jnp.ndarray  # int32 [B, pages per request]
@@ -131,7 +132,7 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
     return ModelState(
         seq_lens=jnp.zeros((batch_size,), jnp.int32),
         window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
-        comp_kv=tuple(jnp.zeros((n_pages * page_size // r, hd), dtype) for r in ratios),
+        comp_kv=tuple(comp_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
         index_k=tuple(index_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
         tail_kv=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32) for r in ratios),
         tail_gate=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32)
@@ -146,6 +147,11 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
                               else (batch_size, 0, 0), jnp.int32),
         page_size=page_size,
     )
+
+
+def comp_pool(cfg: ModelConfig, rows: int, dtype) -> jnp.ndarray:
+    """A compressed-KV pool of ``rows`` rows: the NVFP4-quantised values in ``dtype``."""
+    return jnp.zeros((rows, cfg.head_dim), dtype)
 
 
 def index_pool(cfg: ModelConfig, rows: int, dtype):

@@ -311,11 +311,6 @@ class Fp4Keys(NamedTuple):
     codes: jax.Array
     scale: jax.Array
 
-    @property
-    def width(self) -> int:
-        """Channels a row."""
-        return self.codes.shape[-1] * 2
-
     @classmethod
     def zeros(cls, rows: int, width: int) -> "Fp4Keys":
         return cls(jnp.zeros((rows, width // 2), jnp.uint8), jnp.full((rows, width // BLOCK), 127, jnp.uint8))
@@ -339,6 +334,11 @@ class Fp4Keys(NamedTuple):
         """``x`` ([n, d] values on the FP4 grid) stored at ``rows`` (out of range: dropped)."""
         new = Fp4Keys.from_float(x)
         return Fp4Keys(self.codes.at[rows].set(new.codes, mode="drop"), self.scale.at[rows].set(new.scale, mode="drop"))
+
+
+def stored_kind(pool) -> str:
+    """How a pool stores its rows: ``"fp4"`` (``Fp4Keys``) or its dtype's name."""
+    return "fp4" if isinstance(pool, Fp4Keys) else jnp.dtype(pool.dtype).name
 
 
 def dequantize_fp8(kv, scale):

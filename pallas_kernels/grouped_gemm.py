@@ -172,7 +172,6 @@ def grouped_swiglu(x, w1, w3, block_expert, *, limit: float, shared=None, row_sc
                            lambda g, u: swiglu_f32(g, u, limit), cfg, interpret, row_scale, fp8_out)
 
 
-
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def grouped_matmul(h, w2, block_expert, *, shared=None, cfg: GemmConfig = GemmConfig(),
                    interpret=None):

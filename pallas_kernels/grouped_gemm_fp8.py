@@ -29,9 +29,7 @@ from pallas_kernels.grouped_gemm_kernel import TileAt
 
 class Fp8Gemm(Bf16Gemm):
     def check(self, lhs, weights):
-        cfg = self.cfg
-        if (self.ws and cfg.split != "n") or 128 % self.bn or 128 % self.bk or self.n % 128 or self.k % 128:
-            raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
+        self.check_fp8_tiles(steps_in_blocks=True)
 
     def converts_in_f16(self, weights):
         return all(isinstance(w, (QuantizedWeight, Fp4Weight)) for w in weights)

@@ -113,6 +113,13 @@ class GroupedGemm:
     def check(self, lhs, weights) -> None:
         """Refuse operands or tiles this format's body cannot run."""
 
+    def check_fp8_tiles(self, steps_in_blocks: bool) -> None:
+        """fp8 weights' tiles lie in one row of 128 x 128 scale blocks (and, ``steps_in_blocks``,
+        each step in one column of them); warp specialised, the warpgroups split the columns."""
+        if ((self.ws and self.cfg.split != "n") or 128 % self.bn or (steps_in_blocks and 128 % self.bk)
+                or self.n % 128 or self.k % 128):
+            raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
+
     def accumulated_dtype(self, lhs):
         """The output's dtype (without ``fp8_out``)."""
         return lhs.dtype
@@ -141,6 +148,10 @@ class GroupedGemm:
 
     def ws_step(self, accs, x_smem, tiles, w, idx, wg, fp8, act):
         raise NotImplementedError(f"{type(self).__name__}: no warp-specialised body")
+
+    def zero_sums(self):
+        """``value_sums`` bodies: the sums a tile's K loop starts from."""
+        raise NotImplementedError
 
     def ws_weight_scratch(self):
         return None

@@ -5,9 +5,7 @@ Each step's code tile is loaded in the 4-bit WGMMA layout, whose 32-bit words (c
 the kernel's order) turn into the f16 WGMMA-layout registers by a few bit moves each
 (``fp4.e2m1_f16_words``); each 32-wide slice, times its rows' block scales relative to the
 matrix's largest (a pipelined f16 operand), goes to its own wgmma from registers, and the
-largest multiplies the accumulator in the epilogue. Where the time goes (bench/RESULTS.md,
-"MegaMoE"): at 16 rows per expert the conversion is about a quarter of a call, and the 1.6
-waves of a small grid most of the rest.
+largest multiplies the accumulator in the epilogue. Where the time goes: bench/RESULTS.md, "MegaMoE".
 """
 from __future__ import annotations
 

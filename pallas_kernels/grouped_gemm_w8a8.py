@@ -10,8 +10,8 @@ step's product are live, so one warpgroup's tiles stay small (64 weight rows x 6
 64 weight rows of a 128-wide tile against the shared rows (its own copy of the rows' scales).
 With ``block_k`` 256 a step spans two scale blocks: its wgmmas go to two sets of accumulators,
 and the first set is promoted while the second's wgmmas run. Each warpgroup waits for its own
-step's wgmmas before promoting them, so the tensor pipe is busy about 40% of the cycles; the
-warpgroups taking turns (FlashAttention-3's ping-pong) measured 7-10% slower. The output is bf16, or with
+step's wgmmas before promoting them (the warpgroups taking turns, FlashAttention-3's ping-pong,
+measured slower). The output is bf16, or with
 ``fp8_out`` (128-wide tiles: one scale block of ``h``) ``Fp8Rows`` quantised in the epilogue.
 Why the tiles are what they are: ``grouped_gemm_tiles``.
 """
@@ -30,13 +30,11 @@ class W8a8Gemm(GroupedGemm):
     value_sums = True
 
     def check(self, lhs, weights):
-        cfg = self.cfg
-        if not all(isinstance(w, QuantizedWeight) for w in weights) or not cfg.swap_ab or self.bk not in (32, 64, 128,
-                                                                                                            256):
+        if (not all(isinstance(w, QuantizedWeight) for w in weights) or not self.cfg.swap_ab
+                or self.bk not in (32, 64, 128, 256)):
             raise NotImplementedError("fp8 activations (Fp8Rows): fp8 weights in every stack, swapped tiles "
                                       "(swap_ab), block_k 32 to 256 (at most two scale blocks a step)")
-        if (self.ws and cfg.split != "n") or 128 % self.bn or self.n % 128 or self.k % 128:
-            raise NotImplementedError("fp8 weights need tiles dividing 128, split='n' if warp specialised")
+        self.check_fp8_tiles(steps_in_blocks=False)   # (a 256-deep step spans two blocks: two sets)
 
     def accumulated_dtype(self, lhs):
         return jnp.bfloat16

@@ -39,25 +39,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.block_scaled import Fp4Keys
+from pallas_kernels.block_scaled import Fp4Keys, pow2_from_exponent, stored_kind
 
 BLOCK_N = 64      # entries per dot
 CHUNK = 16        # blocks per program: q is loaded once per 1024 entries
 
 
-def fits(heads: int, head_dim: int, n: int) -> bool:
-    """Whether the kernel takes ``heads`` x ``head_dim`` queries against ``n`` entries a request."""
+def fits(heads: int, head_dim: int, n: int, kind: str) -> bool:
+    """Whether the kernels take ``heads`` x ``head_dim`` queries against ``n`` entries (or listed
+    entries) a row, of keys stored as ``kind``: FP4 keys need whole 32-channel blocks in each
+    half of the channels (a code byte holds a channel of each half)."""
     pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
-    return pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
-
-
-def _pow2(e: jax.Array) -> jax.Array:
-    """``2**(e - 127)`` of UE8M0 bytes, exactly (the float with that exponent field)."""
-    return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+    return (kind in ("fp4", "bfloat16") and pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
+            and (kind != "fp4" or head_dim % 64 == 0))
 
 
 def _e2m1(code: jax.Array) -> jax.Array:
-    """float32 values of int32 e2m1 codes (``block_scaled.E2M1``'s table, as arithmetic)."""
+    """float32 values of int32 e2m1 codes (``block_scaled.E2M1``'s table as arithmetic: Triton
+    has no gather from a constant table)."""
     mag, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
     value = jnp.where(mag == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(mag == 1, 1.0, jnp.where(mag == 2, 2.0, 4.0)))
     return jnp.where((code & 8) != 0, -value, value)
@@ -83,19 +82,18 @@ def _block_scores(key_refs, r, q_parts, wt, scale: float):
             c = codes_ref[r, pl.ds(32 * b, 32)].astype(jnp.int32)
             for j, code in ((b, c & 15), (blocks + b, c >> 4)):
                 part = plt.dot(_e2m1(code).astype(jnp.bfloat16), q_parts[j], trans_b=True)
-                s = s + part * _pow2(scale_ref[r, j])[:, None]
+                s = s + part * pow2_from_exponent(scale_ref[r, j])[:, None]
     return jnp.sum(jnp.maximum(s, 0.0) * scale * wt[None, :], axis=1)
 
 
 def _check(q, keys, n: int, listed=None) -> tuple[list, bool]:
     """Refuse what the kernels cannot tile; the keys' arrays and whether they are FP4 records."""
     h, d = q.shape[1:]
-    width = n if listed is None else listed.shape[1]
-    kind = "fp4" if isinstance(keys, Fp4Keys) else jnp.dtype(keys.dtype).name
-    if not fits(h, d, width) or q.dtype != jnp.bfloat16 or kind not in ("fp4", "bfloat16"):
-        raise ValueError(f"need bf16 q [T, H, d] with H, d powers of two >= 16, keys in bf16 or Fp4Keys, and N "
-                         f"(or the listed entries) a multiple of {BLOCK_N}; got q {q.shape} {q.dtype}, keys {kind}, "
-                         f"N = {n}")
+    width, kind = n if listed is None else listed.shape[1], stored_kind(keys)
+    if not fits(h, d, width, kind) or q.dtype != jnp.bfloat16:
+        raise ValueError(f"need bf16 q [T, H, d] with H, d powers of two >= 16 (d in 64s for FP4 keys), keys in "
+                         f"bf16 or Fp4Keys, and N (or the listed entries) a multiple of {BLOCK_N}; got q {q.shape} "
+                         f"{q.dtype}, keys {kind}, N = {n}")
     return jax.tree.leaves(keys), kind == "fp4"
 
 

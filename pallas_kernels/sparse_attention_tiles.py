@@ -5,15 +5,13 @@ Measured on the H200 (bench/RESULTS.md, "MegaAttention"), the reasons:
 
 * ``block_kv = 64`` gathered rows per chunk: the WGMMA layout the fp8 dequantisation works in
   is 64 rows, and two 64-row K/V slots of 64 KB each are what shared memory holds beside q and
-  the logit exchange (226 of 227 KB). 32-row chunks in four slots overlapped better and lost
-  more to re-reading q (branch ``split-d-pipe``: 2-5% slower).
+  the logit exchange (226 of 227 KB); 32-row chunks in four slots measured slower (they re-read q).
 * Registers after ``setmaxnreg``: 24 for the producer, 240 for each compute warpgroup
-  (2 x 240 + 24 <= 512 per thread slot). With 232 the compute warpgroups spilled 32-276 bytes;
-  240 made the three pool mixes 0.5-3.8% faster.
+  (2 x 240 + 24 <= 512 per thread slot): fewer made the compute warpgroups spill.
 * Launch: with fewer query tokens than fill the SMs, a query's chunks split over CTAs
   (flash-decoding; ``launch`` below); with one split a persistent grid of one CTA per SM, for
-  every pool kind (bf16 2.5-5% faster than one CTA per item; the fp8 window 1-4% faster at
-  decode 128-256 and prefill 4K/64K, level at decode 32-64, 2% slower at prefill 16K).
+  every pool kind: faster than one CTA per item for bf16 pools, and for the fp8 window at all
+  but one size.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.state import index_pool
+from model.state import comp_pool, index_pool, pool_row_bytes
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,10 @@ class PageLayout:
         ratios = tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
         if any(page_size % r for r in ratios):
             raise ValueError(f"page_size {page_size} must be a multiple of every compress ratio {ratios}")
-        row = jnp.dtype(dtype).itemsize * cfg.head_dim
-        keys = [a.shape[1] * a.dtype.itemsize for a in jax.tree.leaves(index_pool(cfg, 1, dtype))]
+        pools = jax.eval_shape(lambda: (comp_pool(cfg, 1, dtype), index_pool(cfg, 1, dtype)))
+        kv, keys = ([pool_row_bytes(a) for a in jax.tree.leaves(p)] for p in pools)
         rows = [page_size // r for r in ratios]
-        return cls(page_size, ratios, tuple((n, row) for n in rows) + tuple((n, b) for n in rows for b in keys))
+        return cls(page_size, ratios, tuple((n, b) for part in (kv, keys) for n in rows for b in part))
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -67,12 +67,13 @@ class PageLayout:
 
 def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization: str) -> bytes:
     """What must agree for two engines' pages to be interchangeable: the config, the page size, the
-    pools' dtype, the expert quantisation (it changes every later layer's KV) and the weights, which
+    pools' dtype and storage layout, the expert quantisation (it changes every later layer's KV) and the weights, which
     the first 64 values of every tensor stand for (two fine-tunes of one base differ somewhere in
     most tensors, not in the embedding alone). A tensor in host memory (``--engram-placement host``)
     counts by its shape and dtype: XLA cannot index it outside a program."""
     h = hashlib.sha256()
-    for part in (repr(cfg), page_size, jnp.dtype(params["embed"].dtype).name, quantization):
+    layout = PageLayout.of(cfg, page_size, params["embed"].dtype).parts   # how the pages store the pools
+    for part in (repr(cfg), page_size, jnp.dtype(params["embed"].dtype).name, quantization, layout):
         h.update(repr(part).encode() + b"\0")
     for leaf in jax.tree.leaves(params):
         if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host":

@@ -41,4 +41,4 @@ def test_fp4_keys_store_grid_values_losslessly():
     on_grid = quant.fp4_block32(jnp.asarray(x))
     for stored in (Fp4Keys.from_float(on_grid), Fp4Keys.from_float(jnp.asarray(x))):
         np.testing.assert_array_equal(np.asarray(stored.dequantized()), np.asarray(on_grid))
-    assert stored.codes.nbytes // 300 + stored.scale.nbytes // 300 == 68 and stored.width == 128
+    assert stored.codes.nbytes // 300 + stored.scale.nbytes // 300 == 68

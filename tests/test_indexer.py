@@ -19,7 +19,6 @@ from pallas_kernels.block_scaled import Fp4Keys
 from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_listed, index_scores_reference
 
 
-
 def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16, fp4=False):
     """Queries of ``sum(rows_per_slot)`` rows over ``slots`` requests of ``n`` entries each; the
     keys in bf16, or with ``fp4`` as the model stores them (``Fp4Keys``)."""
@@ -81,8 +80,9 @@ def test_listed_kernel_scores_only_the_listed_entries(rng, fp4):
 
 
 def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
-    """``mega.indexer.index_scores`` runs the kernel (here interpreted) for bf16 keys, FP4 values
-    and power-of-two heads, and the reference otherwise, with the same results."""
+    """``mega.indexer.index_scores`` runs the kernel (here interpreted) for FP4 or bf16 keys of FP4
+    values and power-of-two heads, and the reference otherwise, with the same results; FP4 keys
+    need head_dim in 64s (a code byte holds a channel of each half, in whole 32-channel blocks)."""
     q, w, keys, rows, slot, visible = case(rng, 16, 64, 128, fp4=True)
     calls = []
     kernel = mega.indexer.index_scores_kernel
@@ -96,6 +96,7 @@ def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
     monkeypatch.setenv("MEGAJAX_KERNELS", "pallas")
     path = mega.indexer.kernel_path
     assert path(64, 128, 32768, "fp4", True).kernel and path(64, 128, 32768, "bfloat16", True).kernel
+    assert path(16, 32, 32768, "bfloat16", True).kernel and "in 64s" in path(16, 32, 32768, "fp4", True).text
     assert "FP4" in path(64, 40, 32768, "bfloat16", False).text
     assert "float32" in path(64, 128, 32768, "float32", True).text
     assert "2 heads" in path(2, 64, 32768, "fp4", True).text and not path(64, 128, 100, "fp4", True).kernel
@@ -123,6 +124,9 @@ def test_lowers_for_cuda_at_v41_shapes(t_len, n, listed, fp4):
 
 def test_refuses_shapes_it_cannot_tile():
     z = jnp.zeros
+    small = case(np.random.default_rng(0), 16, 32, 64, fp4=True)   # FP4 keys of 32 channels: one block in all
+    with pytest.raises(ValueError, match="in 64s"):
+        index_scores(small[0].astype(jnp.bfloat16), *small[1:], scale=1.0)
     with pytest.raises(ValueError, match="powers of two"):   # 12 heads
         index_scores(z((2, 12, 64), jnp.bfloat16), z((2, 12)), z((64, 64), jnp.bfloat16), z((1, 64), jnp.int32),
                      z(2, jnp.int32), z(2, jnp.int32), scale=1.0)

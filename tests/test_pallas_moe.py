@@ -22,7 +22,6 @@ from pallas_kernels.grouped_gemm import (GemmConfig, grouped_matmul, grouped_mat
 INTERPRET = InterpretGPUParams(detect_races=True)
 
 
-
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / np.linalg.norm(b)
