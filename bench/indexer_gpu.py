@@ -129,10 +129,10 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  (one case's failure is recorded, the rest still run)
             rows_out.append({"case": case, "impl": "setup", "ms": None, "error": repr(e)})
             traceback.print_exc()
-    write("indexer_gpu", {**info, "ceilings": ceil, "rows": rows_out,
-                          "conditions": "keys as the model stores them (Fp4Keys) and the same values in bf16, "
-                                        "shuffled 32-entry pages, visible: decode all, prefill causal; wall clock "
-                                        "per call, median of 3 x 5 back to back; errors against the XLA path"})
+        write("indexer_gpu", {**info, "ceilings": ceil, "rows": rows_out,   # after each case: a cut run keeps its rows
+                              "conditions": "keys as the model stores them (Fp4Keys) and the same values in bf16, "
+                                            "shuffled 32-entry pages, visible: decode all, prefill causal; wall clock "
+                                            "per call, median of 3 x 5 back to back; errors against the XLA path"})
 
 
 if __name__ == "__main__":
