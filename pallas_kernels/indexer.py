@@ -14,16 +14,17 @@ powers of two from 16 (the tensor cores' tiles), N a multiple of ``BLOCK_N``. Re
 fp32. ``index_scores_listed`` scores only the entries listed for
 each row (the index layers past the candidate source score their candidate blocks alone).
 
-Design: a program per (row, chunk of ``CHUNK`` x ``BLOCK_N`` entries), rows fastest, so the
-programs that run together are a request's rows on the same keys and read them from L2 once
-per request rather than once per row. A program loads its row's q once, then per block of
-entries gathers the keys by their pool rows (the pool is paged, so rows are not contiguous),
-runs one [BLOCK_N, d] x [d, H] dot, and reduces the ReLU'd products over heads with the row's
-head weights; blocks past the row's visible entries skip the dot and store -inf. Unlike XLA's
-per-row gather of the whole capacity, no [T, N, d] intermediate exists, and invisible entries
-cost no key reads. FP4 keys are read as stored, 68 bytes an entry at d = 128 (against 256 in
-bf16): each 32 code bytes become two 32-channel blocks of bf16 values (exact), each block its own
-dot, scaled by its UE8M0 exponent.
+Design: a program per (group of a request's rows, chunk of ``CHUNK`` x ``BLOCK_N`` entries),
+groups fastest. A group is up to ``group_rows(H)`` consecutive rows of one request (a decode
+step's token and drafts; a prefill's rows four at a time at H = 32), so its q is one
+``[G x H, d]`` operand: per block of entries the program gathers the request's keys by their
+pool rows (the pool is paged), decodes them once, runs one ``[G x H, d] x [d, BLOCK_N]`` dot
+on the tensor cores and reduces the ReLU'd products over heads with each row's weights.
+Groups that run together read the same keys, from L2 after the first. Blocks past the
+group's visible entries skip the dot and store -inf. No ``[T, N, d]`` intermediate exists, and
+invisible entries cost no key reads. FP4 keys are read as stored, 68 bytes an entry at
+d = 128 (against 256 in bf16), and decoded in registers into the two channel halves of bf16
+values (exact), each half its own K-part of the dot.
 
 Why the Triton backend (deprecated since JAX 0.11, still shipped in 0.12): a gather of arbitrary
 pool rows is one load there, where Mosaic GPU needs hand-written ``cp.async`` (as
@@ -32,7 +33,6 @@ pool rows is one load there, where Mosaic GPU needs hand-written ``cp.async`` (a
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from pallas_kernels.block_scaled import Fp4Keys, pow2_from_exponent, stored_kind
 
 BLOCK_N = 64      # entries per dot
 CHUNK = 16        # blocks per program: q is loaded once per 1024 entries
+GROUP_M = 128     # query rows x heads per dot (one request's rows share each key they read)
 
 
 def fits(heads: int, head_dim: int, n: int, kind: str) -> bool:
@@ -62,28 +63,40 @@ def _e2m1(code: jax.Array) -> jax.Array:
     return jnp.where((code & 8) != 0, -value, value)
 
 
-def _q_parts(q_ref, row, fp4: bool) -> list:
-    """The row's q as the dots take it: whole ``[H, d]``, or FP4 keys' 32-channel blocks."""
+def _q_parts(q_ref, rows, fp4: bool) -> list:
+    """Query rows ``rows`` (an index of ``q_ref``'s leading dims) as the dots' K-parts: whole, or
+    for FP4 keys the two channel halves (loaded apart: Triton cannot slice a loaded tile)."""
+    d = q_ref.shape[-1]
     if not fp4:
-        return [q_ref[row]]
-    return [q_ref[row, :, pl.ds(32 * j, 32)] for j in range(q_ref.shape[2] // 32)]
+        return [q_ref[rows]]
+    return [q_ref[(*rows, pl.ds(0, d // 2))], q_ref[(*rows, pl.ds(d // 2, d // 2))]]
 
 
-def _block_scores(key_refs, r, q_parts, wt, scale: float):
-    """``[BLOCK_N]`` scores of the keys at pool rows ``r`` against one row's q. bf16 keys: one
-    ``[BLOCK_N, d] x [d, H]`` dot. FP4 keys (``Fp4Keys``: byte j holds channels j and j + d/2):
-    each 32 bytes decode to two 32-channel blocks, each its own dot, scaled by its exponent."""
+def _key_parts(key_refs, r) -> list:
+    """The keys at pool rows ``r`` ``[BLOCK_N]`` as bf16 K-parts of the dots: bf16 keys whole; FP4
+    keys (``Fp4Keys``: byte j holds channel j low, j + d/2 high) decoded once into their two
+    halves, each 32-channel block times its UE8M0 scale (exact in bf16)."""
     if len(key_refs) == 1:
-        s = plt.dot(key_refs[0][r, :], q_parts[0], trans_b=True)            # [BLOCK_N, H] fp32
-    else:
-        codes_ref, scale_ref = key_refs
-        blocks, s = codes_ref.shape[1] // 32, 0.0
-        for b in range(blocks):
-            c = codes_ref[r, pl.ds(32 * b, 32)].astype(jnp.int32)
-            for j, code in ((b, c & 15), (blocks + b, c >> 4)):
-                part = plt.dot(_e2m1(code).astype(jnp.bfloat16), q_parts[j], trans_b=True)
-                s = s + part * pow2_from_exponent(scale_ref[r, j])[:, None]
-    return jnp.sum(jnp.maximum(s, 0.0) * scale * wt[None, :], axis=1)
+        return [key_refs[0][r, :]]
+    codes_ref, scale_ref = key_refs
+    codes = codes_ref[r, :].astype(jnp.int32)                          # [BLOCK_N, d/2]
+    per_half = codes.shape[1] // 32
+    block = jax.lax.broadcasted_iota(jnp.int32, codes.shape, 1) // 32
+    parts = []
+    for half, code in enumerate((codes & 15, codes >> 4)):
+        scale = 0.0
+        for b in range(per_half):
+            scale = jnp.where(block == b, pow2_from_exponent(scale_ref[r, half * per_half + b])[:, None], scale)
+        parts.append((_e2m1(code) * scale).astype(jnp.bfloat16))
+    return parts
+
+
+def _dots(a_parts: list, b_parts: list) -> jax.Array:
+    """``sum_i a_i @ b_i.T`` in fp32 (the K-parts of one product)."""
+    out = 0.0
+    for a, b in zip(a_parts, b_parts):
+        out = out + plt.dot(a, b, trans_b=True)
+    return out
 
 
 def _check(q, keys, n: int, listed=None) -> tuple[list, bool]:
@@ -97,89 +110,108 @@ def _check(q, keys, n: int, listed=None) -> tuple[list, bool]:
     return jax.tree.leaves(keys), kind == "fp4"
 
 
+def group_rows(heads: int) -> int:
+    """Rows of one request a program scores together: ``group_rows x heads`` is the dots' M, 128."""
+    return max(1, GROUP_M // heads)
+
+
+def _groups(slot: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Runs of rows of one request (any order of runs), cut every ``size`` rows: each group's first
+    row and length, ascending, then ``T`` and 0 for the unused ends of the ``[T]`` vectors."""
+    t = slot.shape[0]
+    i = jnp.arange(t, dtype=jnp.int32)
+    run_start = jax.lax.cummax(jnp.where(jnp.concatenate([jnp.ones((1,), bool), slot[1:] != slot[:-1]]), i, 0))
+    group = jnp.cumsum((i - run_start) % size == 0) - 1
+    return (jnp.full((t,), t, jnp.int32).at[group].min(i), jnp.zeros((t,), jnp.int32).at[group].add(1))
+
+
 _PARAMS = plt.CompilerParams(num_warps=4, num_stages=2)
 
 
-class _Program(NamedTuple):
-    """What a program knows of its row: its chunk of blocks, its visible entries, its request, its
-    q (as the dots take it) and head weights."""
-    row: jax.Array
-    chunk: jax.Array
-    seen: jax.Array
-    request: jax.Array
-    q_parts: list
-    wt: jax.Array
-
-    @classmethod
-    def load(cls, slot_ref, visible_ref, q_ref, w_ref, fp4: bool) -> "_Program":
-        row, chunk = pl.program_id(0), pl.program_id(1)
-        return cls(row, chunk, visible_ref[row], slot_ref[row], _q_parts(q_ref, row, fp4), w_ref[row])
-
-    def each_block(self, body) -> None:
-        """``body(e0)`` for the first entry (or list position) of each of the chunk's blocks."""
-        @pl.loop(0, CHUNK)
-        def _(j):
-            body((self.chunk * CHUNK + j) * BLOCK_N)
+def _each_block(chunk, body) -> None:
+    """``body(e0)`` for the first entry (or list position) of each block of ``chunk``."""
+    @pl.loop(0, CHUNK)
+    def _(j):
+        body((chunk * CHUNK + j) * BLOCK_N)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def index_scores(q, w, keys, rows, slot, visible, *, scale: float, interpret: bool = False):
     """Every entry of each row's request (the module docstring); ``keys`` bf16 or ``Fp4Keys``."""
-    t, n = q.shape[0], rows.shape[1]
+    t, h, d = q.shape
+    n, g = rows.shape[1], group_rows(h)
     key_leaves, fp4 = _check(q, keys, n)
+    firsts, counts = _groups(slot, g)
+    def pad(a):   # a group's loads of G rows may end past T
+        return jnp.concatenate([a, jnp.zeros((g,) + a.shape[1:], a.dtype)])
 
-    def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, *refs):
+    def kernel(firsts_ref, counts_ref, slot_ref, visible_ref, q_ref, w_ref, rows_ref, *refs):
         *key_refs, o_ref = refs
-        p = _Program.load(slot_ref, visible_ref, q_ref, w_ref, fp4)
+        group, chunk = pl.program_id(0), pl.program_id(1)   # (read here: the interpreter takes them at top level)
+        first, count = firsts_ref[group], counts_ref[group]
 
-        def block(e0):
-            at = pl.ds(e0, BLOCK_N)
+        @pl.when(count > 0)
+        def _():
+            member = jax.lax.broadcasted_iota(jnp.int32, (g,), 0) < count
+            seen = jnp.where(member, visible_ref[pl.ds(first, g)], 0)
+            most, request = jnp.max(seen), slot_ref[first]
+            q_parts = _q_parts(q_ref, (pl.ds(first * h, g * h),), fp4)             # [G x H, d]: the dots' M
+            wt = w_ref[pl.ds(first * h, g * h)]
+            out_rows, mask = pl.ds(first, g), jnp.broadcast_to(member[:, None], (g, BLOCK_N))  # past T: masked
 
-            @pl.when((e0 < n) & (e0 < p.seen))
-            def _():
-                score = _block_scores(key_refs, rows_ref[p.request, at], p.q_parts, p.wt, scale)   # keys gathered
-                entry = e0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_N,), 0)
-                o_ref[p.row, at] = jnp.where(entry < p.seen, score, -jnp.inf)
+            def block(e0):
+                at = pl.ds(e0, BLOCK_N)
 
-            @pl.when((e0 < n) & (e0 >= p.seen))
-            def _():
-                o_ref[p.row, at] = jnp.full((BLOCK_N,), -jnp.inf, jnp.float32)
-        p.each_block(block)
+                @pl.when((e0 < n) & (e0 < most))
+                def _():
+                    s = _dots(q_parts, _key_parts(key_refs, rows_ref[request, at]))   # keys gathered, decoded once
+                    score = jnp.sum((jnp.maximum(s, 0.0) * wt[:, None]).reshape(g, h, BLOCK_N), axis=1)
+                    entry = e0 + jax.lax.broadcasted_iota(jnp.int32, (g, BLOCK_N), 1)
+                    plt.store(o_ref.at[out_rows, at], jnp.where(entry < seen[:, None], score, -jnp.inf), mask=mask)
+
+                @pl.when((e0 < n) & (e0 >= most))
+                def _():
+                    plt.store(o_ref.at[out_rows, at], jnp.full((g, BLOCK_N), -jnp.inf, jnp.float32), mask=mask)
+            _each_block(chunk, block)
 
     return pl.pallas_call(
         kernel, grid=(t, -(-n // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
         compiler_params=_PARAMS, interpret=interpret,
-    )(slot, visible, q, w, rows, *key_leaves)
+    )(firsts, counts, slot, pad(visible), pad(q).reshape(-1, d), pad(w * scale).reshape(-1), rows, *key_leaves)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def index_scores_listed(q, w, keys, rows, slot, visible, listed, *, scale: float, interpret: bool = False):
     """Only the entries ``listed [T, S]`` for each row (-1: none; the candidate blocks' entries
     past the candidate source), -inf elsewhere: the keys of the other entries are never read.
-    A program per (row, chunk of listed entries); the scores are scattered into an output
-    filled with -inf beforehand (a write of 4 bytes an entry, against a key row's 68 or 256 read)."""
+    Rows list their own entries, so a program is a (row, chunk of its list); the scores are
+    scattered into an output filled with -inf beforehand (a write of 4 bytes an entry, against
+    a key row's 68 or 256 read)."""
     t, n, s_len = q.shape[0], rows.shape[1], listed.shape[1]
     key_leaves, fp4 = _check(q, keys, n, listed)
 
     def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, listed_ref, _, *refs):
         *key_refs, o_ref = refs
-        p = _Program.load(slot_ref, visible_ref, q_ref, w_ref, fp4)
+        row, chunk = pl.program_id(0), pl.program_id(1)
+        seen, request, wt = visible_ref[row], slot_ref[row], w_ref[row]
+        q_parts = _q_parts(q_ref, (row, slice(None)), fp4)
 
         def block(e0):
             @pl.when(e0 < s_len)
             def _():
-                entry = listed_ref[p.row, pl.ds(e0, BLOCK_N)]
-                ok = (entry >= 0) & (entry < p.seen)
-                score = _block_scores(key_refs, rows_ref[p.request, jnp.where(ok, entry, 0)], p.q_parts, p.wt, scale)
+                entry = listed_ref[row, pl.ds(e0, BLOCK_N)]
+                ok = (entry >= 0) & (entry < seen)
+                s = _dots(_key_parts(key_refs, rows_ref[request, jnp.where(ok, entry, 0)]), q_parts)   # [BLOCK_N, H]
                 # masked lanes write nothing; their address is past the row (where the interpreter,
                 # which emulates the mask, drops the write: at a real entry it could collide)
-                plt.store(o_ref.at[p.row, jnp.where(ok, entry, n)], score, mask=ok)
-        p.each_block(block)
+                plt.store(o_ref.at[row, jnp.where(ok, entry, n)], jnp.sum(jnp.maximum(s, 0.0) * wt[None, :], axis=1),
+                          mask=ok)
+        _each_block(chunk, block)
 
     return pl.pallas_call(
         kernel, grid=(t, -(-s_len // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
         input_output_aliases={6: 0}, compiler_params=_PARAMS, interpret=interpret,
-    )(slot, visible, q, w, rows, listed, jnp.full((t, n), -jnp.inf, jnp.float32), *key_leaves)
+    )(slot, visible, q, w * scale, rows, listed, jnp.full((t, n), -jnp.inf, jnp.float32), *key_leaves)
 
 
 def index_scores_reference(q, w, keys, rows, slot, visible, listed=None, *, scale: float, exact_bf16: bool,

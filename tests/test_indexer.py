@@ -16,7 +16,7 @@ import mega.indexer
 from mega import backend
 from model import quant
 from pallas_kernels.block_scaled import Fp4Keys
-from pallas_kernels.indexer import BLOCK_N, CHUNK, index_scores, index_scores_listed, index_scores_reference
+from pallas_kernels.indexer import BLOCK_N, CHUNK, group_rows, index_scores, index_scores_listed, index_scores_reference
 
 
 def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16, fp4=False):
@@ -52,6 +52,22 @@ def test_kernel_matches_reference(rng, heads, head_dim, n, fp4):
     seen = np.arange(n)[None] < np.asarray(visible)[:, None]
     np.testing.assert_array_equal(np.isneginf(got), ~seen)
     assert np.abs(want[seen]).max() > 0
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5 * np.abs(want[seen]).max())
+
+
+@pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
+def test_rows_are_grouped_by_runs_of_one_request(rng, fp4):
+    """A program scores up to ``group_rows`` consecutive rows of one request together (64 heads:
+    2): runs longer than that, of one row, and a request whose rows come in two runs."""
+    n = 192
+    q, w, keys, rows, _, visible = case(rng, 64, 64, n, rows_per_slot=(5, 1, 3), fp4=fp4)
+    assert group_rows(64) == 2
+    slot = jnp.asarray([0, 0, 0, 1, 0, 0, 2, 2, 2], jnp.int32)
+    got = np.asarray(index_scores(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, scale=0.125, interpret=True))
+    want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, scale=0.125, exact_bf16=True,
+                                             pass_bytes=1 << 30))
+    seen = np.arange(n)[None] < np.asarray(visible)[:, None]
+    np.testing.assert_array_equal(np.isneginf(got), ~seen)
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-5, atol=1e-5 * np.abs(want[seen]).max())
 
 
