@@ -323,6 +323,8 @@ def _wait_parity(parity: int):
 STAGES = ("row_copies", "dequant", "exchange", "mma")
 
 
+# jitted: a program calling it at each of 40 layers with one shape lowers the kernel once
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "ctas", "interpret", "skip_stages"))
 def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = None, ctas: int | None = None,
                interpret=False, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
