@@ -3,13 +3,13 @@
 Signature (one per ragged batch of query rows; MODEL_SPEC §3.8)::
 
     index_scores(q [T, H, d] fp32, w [T, H] fp32, keys Fp4Keys | [P, d], rows [B, N] int32, slot [T] int32,
-                 visible [T] int32, listed [T, S] int32 | None, exact_bf16) -> [T, N] fp32
+                 visible [T] int32, listed [T, S] int32 | None, exact_bf16) -> [T, N] or [T, S] fp32
 
 ``score[t, e] = sum_h w[t, h] relu(q[t, h] . keys[rows[slot[t], e]]) / sqrt(d)`` for the
-``visible[t]`` first entries of the row's request (of them, only those in ``listed[t]`` when
-given: the candidate blocks' entries), -inf elsewhere. ``rows`` maps each request's entries
-to pool rows (the pool is paged); ``exact_bf16`` says that q and the keys hold FP4-quantised
-values, which bf16 represents exactly.
+``visible[t]`` first entries of the row's request, -inf for the others. With ``listed`` (the
+candidate blocks' entries, -1: none) only the listed entries are scored, and the result is in
+list order. ``rows`` maps each request's entries to pool rows (the pool is paged);
+``exact_bf16`` says that q and the keys hold FP4-quantised values, which bf16 represents exactly.
 
 On GPU (``mega.backend``) it is the Pallas kernel ``pallas_kernels.indexer`` (FP4 or bf16 keys,
 the FP4 quantiser on, heads and head_dim powers of two from 16, N a multiple of its 64-entry

@@ -118,7 +118,7 @@ def candidate_width(cfg: ModelConfig, n: int) -> int:
 def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
                      ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """The top blocks per query, the newest visible block pinned (§3.8): their entries as a mask
-    ``[T, N]`` and as a list ``[T, C * block]`` (-1: none)."""
+    ``[T, N]`` and as a list ``[T, C * block]`` in ascending order (-1: none)."""
     t, n = scores.shape
     bs = cfg.candidate_block_size
     n_blocks = -(-n // bs)
@@ -128,8 +128,9 @@ def candidate_blocks(scores: jnp.ndarray, visible: jnp.ndarray, cfg: ModelConfig
     block = jnp.where(jnp.arange(n_blocks)[None] == newest[:, None], jnp.inf, block)
     vals, ids = jax.lax.top_k(block, candidate_width(cfg, n) // bs)
     keep = jnp.zeros((t, n_blocks), bool).at[jnp.arange(t)[:, None], ids].set(vals > -jnp.inf)
+    ids = jnp.sort(jnp.where(vals > -jnp.inf, ids, n_blocks), axis=1)   # ascending: the list's ties go as the entries'
     entries = ids[:, :, None] * bs + jnp.arange(bs)
-    listed = jnp.where((vals > -jnp.inf)[:, :, None] & (entries < n), entries, -1).reshape(t, -1)
+    listed = jnp.where((ids < n_blocks)[:, :, None] & (entries < n), entries, -1).reshape(t, -1)
     return jnp.repeat(keep, bs, axis=1)[:, :n], listed
 
 
@@ -220,11 +221,21 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -
     visible = (info.pos + 1) // ratio
     cand, listed = published.candidates, published.candidate_entries   # past the candidate source: scored alone
     scores = index_scores(q, w, pool_k, rows, info.slot, visible, listed, quant.fp4_block32_active(cfg.index_head_dim))
-    is_visible = entries[None] < visible[:, None]
+    k, entry_of = min(cfg.index_topk, n), None
+    chosen = scores
+    if listed is not None:   # select over the list (ascending: ties go as they would over every entry)
+        width = max(k, listed.shape[1])
+        chosen = jnp.pad(scores, ((0, 0), (0, width - listed.shape[1])), constant_values=-jnp.inf)
+        entry_of = jnp.pad(listed, ((0, 0), (0, width - listed.shape[1])), constant_values=-1)
+        scores = jnp.full((scores.shape[0], n), -jnp.inf).at[   # every entry's score, for traces
+            jnp.arange(scores.shape[0])[:, None], jnp.where(listed >= 0, listed, n)].set(scores, mode="drop")
     if layer == cfg.candidate_source_layer_id:
         cand, listed = candidate_blocks(scores, visible, cfg)
-    chosen = scores if forced is None else jnp.where(forced[:, :n] & is_visible, 0.0, -jnp.inf)
-    vals, ids = jax.lax.top_k(chosen, min(cfg.index_topk, n))
+    if forced is not None:
+        chosen, entry_of = jnp.where(forced[:, :n] & (entries[None] < visible[:, None]), 0.0, -jnp.inf), None
+    vals, ids = jax.lax.top_k(chosen, k)
+    if entry_of is not None:
+        ids = jnp.take_along_axis(entry_of, ids, axis=1)
     ok = vals > -jnp.inf
-    comp_idx = jnp.where(ok, entry_rows(state, ratio, info.slot, ids), -1)
+    comp_idx = jnp.where(ok, entry_rows(state, ratio, info.slot, jnp.maximum(ids, 0)), -1)
     return Published(comp_idx, cand, listed, jnp.where(ok, ids, -1), scores)

@@ -186,15 +186,14 @@ def index_scores(q, w, keys, rows, slot, visible, *, scale: float, interpret: bo
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def index_scores_listed(q, w, keys, rows, slot, visible, listed, *, scale: float, interpret: bool = False):
-    """Only the entries ``listed [T, S]`` for each row (-1: none; the candidate blocks' entries
-    past the candidate source), -inf elsewhere: the keys of the other entries are never read.
-    Rows list their own entries, so a program is a (row, chunk of its list); the scores are
-    scattered into an output filled with -inf beforehand (a write of 4 bytes an entry, against
-    a key row's 68 or 256 read)."""
+    """The scores ``[T, S]`` of the entries ``listed [T, S]`` for each row, in list order (-1, or
+    an entry past the row's visible ones: -inf): past the candidate source a row scores its
+    candidate blocks' entries alone, and the keys of the others are never read. Rows list their
+    own entries, so a program is a (row, chunk of its list)."""
     t, n, s_len = q.shape[0], rows.shape[1], listed.shape[1]
     key_leaves, fp4 = _check(q, keys, n, listed)
 
-    def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, listed_ref, _, *refs):
+    def kernel(slot_ref, visible_ref, q_ref, w_ref, rows_ref, listed_ref, *refs):
         *key_refs, o_ref = refs
         row, chunk = pl.program_id(0), pl.program_id(1)
         seen, request, wt = visible_ref[row], slot_ref[row], w_ref[row]
@@ -203,43 +202,38 @@ def index_scores_listed(q, w, keys, rows, slot, visible, listed, *, scale: float
         def block(e0):
             @pl.when(e0 < s_len)
             def _():
-                entry = listed_ref[row, pl.ds(e0, BLOCK_N)]
+                at = pl.ds(e0, BLOCK_N)
+                entry = listed_ref[row, at]
                 ok = (entry >= 0) & (entry < seen)
                 s = _dots(_key_parts(key_refs, rows_ref[request, jnp.where(ok, entry, 0)]), q_parts)   # [BLOCK_N, H]
-                # masked lanes write nothing; their address is past the row (where the interpreter,
-                # which emulates the mask, drops the write: at a real entry it could collide)
-                plt.store(o_ref.at[row, jnp.where(ok, entry, n)], jnp.sum(jnp.maximum(s, 0.0) * wt[None, :], axis=1),
-                          mask=ok)
+                o_ref[row, at] = jnp.where(ok, jnp.sum(jnp.maximum(s, 0.0) * wt[None, :], axis=1), -jnp.inf)
         _each_block(chunk, block)
 
     return pl.pallas_call(
-        kernel, grid=(t, -(-s_len // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
-        input_output_aliases={6: 0}, compiler_params=_PARAMS, interpret=interpret,
-    )(slot, visible, q, w * scale, rows, listed, jnp.full((t, n), -jnp.inf, jnp.float32), *key_leaves)
+        kernel, grid=(t, -(-s_len // (CHUNK * BLOCK_N))), out_shape=jax.ShapeDtypeStruct((t, s_len), jnp.float32),
+        compiler_params=_PARAMS, interpret=interpret,
+    )(slot, visible, q, w * scale, rows, listed, *key_leaves)
 
 
 def index_scores_reference(q, w, keys, rows, slot, visible, listed=None, *, scale: float, exact_bf16: bool,
                            pass_bytes: int):
-    """Both kernels in XLA: each row gathers its request's keys and scores them all (then masks
-    them to ``listed``); rows are scored in passes of at most ``pass_bytes`` of per-row
-    intermediates (keys [N, d] counted as fp32, scores [H, N]). ``exact_bf16``: q and the keys
-    hold values bf16 represents exactly (the FP4 quantiser on), so the dots run on bf16
-    operands with fp32 accumulation; else in fp32."""
+    """Both kernels in XLA: each row gathers its request's keys (with ``listed``, those of its
+    listed entries alone) and scores them; rows are scored in passes of at most ``pass_bytes`` of
+    per-row intermediates (keys [N or S, d] counted as fp32, scores [H, N or S]). ``exact_bf16``:
+    q and the keys hold values bf16 represents exactly (the FP4 quantiser on), so the dots run
+    on bf16 operands with fp32 accumulation; else in fp32."""
     t, n = q.shape[0], rows.shape[1]
+    cols = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n)) if listed is None else listed
 
-    def score(q_t, w_t, slot_t):   # one row against every entry of its request
-        mine = keys.at_rows(rows[slot_t]).dequantized() if isinstance(keys, Fp4Keys) else keys[rows[slot_t]]
+    def score(q_t, w_t, slot_t, cols_t):   # one row against its entries
+        at = rows[slot_t, jnp.clip(cols_t, 0, n - 1)]
+        mine = keys.at_rows(at).dequantized() if isinstance(keys, Fp4Keys) else keys[at]
         return scores_of_one(q_t, w_t, mine, scale, exact_bf16)
 
-    chunk = max(1, pass_bytes // (4 * n * (q.shape[2] + q.shape[1])))
-    scores = (jax.vmap(score)(q, w, slot) if chunk >= t
-              else jax.lax.map(lambda a: score(*a), (q, w, slot), batch_size=chunk))
-    scores = jnp.where(jnp.arange(n)[None] < visible[:, None], scores, -jnp.inf)
-    if listed is None:
-        return scores
-    at = jnp.where((listed >= 0) & (listed < n), listed, n)   # past the end: dropped
-    mask = jnp.zeros((t, n), bool).at[jnp.arange(t)[:, None], at].set(True, mode="drop")
-    return jnp.where(mask, scores, -jnp.inf)
+    chunk = max(1, pass_bytes // (4 * cols.shape[1] * (q.shape[2] + q.shape[1])))
+    scores = (jax.vmap(score)(q, w, slot, cols) if chunk >= t
+              else jax.lax.map(lambda a: score(*a), (q, w, slot, cols), batch_size=chunk))
+    return jnp.where((cols >= 0) & (cols < visible[:, None]), scores, -jnp.inf)
 
 
 def scores_of_one(q, w, keys, scale: float, exact_bf16: bool):

@@ -74,25 +74,29 @@ def test_rows_are_grouped_by_runs_of_one_request(rng, fp4):
 @pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
 def test_listed_kernel_scores_only_the_listed_entries(rng, fp4):
     """Past the candidate source a row scores its candidate blocks' entries alone: a list per row
-    with -1 padding and entries past its visible ones, in any order; every other entry -inf."""
+    with -1 padding and entries past its visible ones, in any order; the scores come in list
+    order, -inf at -1 and invisible entries, and equal the full scoring's at the others."""
     n, blocks, block = 256, 16, 8
     q, w, keys, rows, slot, visible = case(rng, 16, 64, n, fp4=fp4)
     t = q.shape[0]
     ids = np.stack([rng.permutation(n // block)[:blocks] for _ in range(t)])
     listed = (ids[:, :, None] * block + np.arange(block)).reshape(t, -1)
     listed[rng.random(listed.shape) < 0.1] = -1
-    listed = jnp.asarray(listed, jnp.int32)
     scale = 64 ** -0.5
-    got = np.asarray(index_scores_listed(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, listed, scale=scale,
-                                         interpret=True))
-    want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, listed, scale=scale, exact_bf16=True,
-                                             pass_bytes=1 << 30))
+    got = np.asarray(index_scores_listed(q.astype(jnp.bfloat16), w, keys, rows, slot, visible, jnp.asarray(listed),
+                                         scale=scale, interpret=True))
+    want = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, jnp.asarray(listed), scale=scale,
+                                             exact_bf16=True, pass_bytes=1 << 30))
     full = np.asarray(index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True,
                                              pass_bytes=1 << 30))
-    scored = np.isfinite(want)
-    assert scored.any() and (~scored & np.isfinite(full)).any()   # some visible entries are not listed
+    scored = (listed >= 0) & (listed < np.asarray(visible)[:, None])
+    assert got.shape == listed.shape and scored.any() and (~scored).any()
     np.testing.assert_array_equal(np.isfinite(got), scored)
-    np.testing.assert_allclose(got[scored], full[scored], rtol=1e-5, atol=1e-5 * np.abs(full[scored]).max())
+    np.testing.assert_array_equal(np.isfinite(want), scored)
+    at = np.take_along_axis(full, np.maximum(listed, 0), 1)
+    tol = 1e-5 * np.abs(at[scored]).max()
+    np.testing.assert_allclose(got[scored], at[scored], rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(want[scored], at[scored], rtol=1e-5, atol=tol)
 
 
 def test_mega_op_takes_the_kernel_where_it_fits(rng, monkeypatch):
