@@ -10,7 +10,9 @@ bytes an entry) and, for comparison, the same values in bf16; pages shuffled. Th
 are ``mega.indexer``'s two (the kernels of ``pallas_kernels.indexer`` and their XLA reference),
 called as the operator calls them; the kernels are checked against the reference on every case.
 Roofline: each request's scored keys read once, the scores written once, the dots at the bf16
-matmul rate.
+matmul rate. Beside the scoring, the selection the model runs on its output (``lax.top_k`` of 512
+over each row's scores, and on the candidate source's shape the top 2,048 blocks of 8), against
+one read of the scores.
 
     python3 bench/indexer_gpu.py              # on the GPU, writes $OUT/indexer_gpu.json
     python3 bench/indexer_gpu.py --smoke      # CPU: tiny shapes, the kernel interpreted
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -29,7 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import ceilings, rel_err, roofline_ms, run_info, time_jax, write  # noqa: E402
 
+from flash_rank import rank_config  # noqa: E402
 from mega.indexer import INDEX_PASS_BYTES  # noqa: E402
+from model.attention import candidate_blocks  # noqa: E402
 from model import quant  # noqa: E402
 from model.state import pool_row_bytes  # noqa: E402
 from pallas_kernels.block_scaled import Fp4Keys  # noqa: E402
@@ -37,6 +42,8 @@ from pallas_kernels.indexer import index_scores, index_scores_listed, index_scor
 
 HEADS, DIM, PER_PAGE = 32, 128, 32     # V4.1-Flash's indexer; a 64-token page at ratio 2
 CANDIDATES, BLOCK = 2048, 8                 # candidate blocks a row past the candidate source
+TOPK = 512                                  # entries each row selects
+SOURCE = rank_config(6, 64)                 # the candidate source's block size and count (V4.1-Flash)
 CASES = ([("decode", b, 4, n) for n in (65536, 131072) for b in (8, 64, 256)] + [("prefill", 1, 4096, 65536)]
          + [("decode-candidates", b, 4, 131072) for b in (64, 256)] + [("prefill-candidates", 1, 4096, 131072)])
 SMOKE = [("decode", 2, 4, 256), ("prefill", 1, 64, 512), ("decode-candidates", 2, 4, 512)]
@@ -68,7 +75,7 @@ def make(kind: str, requests: int, rows: int, n: int, seed: int):
 
 def cost(requests: int, rows: int, n: int, visible, listed, key_bytes: int) -> tuple[float, float]:
     """(FLOPs, bytes): the scored entries' dots; each request's scored keys once (``key_bytes`` a
-    key), q, w and the scores (written once, and the listed ones again)."""
+    key), q, w and the scores (every entry's, or the list's in list order)."""
     vis = np.asarray(visible)
     if listed is None:
         scored, keys = float(vis.sum()), requests * min(n, int(vis.max()))
@@ -77,7 +84,7 @@ def cost(requests: int, rows: int, n: int, visible, listed, key_bytes: int) -> t
         scored = float(((ls >= 0) & (ls < vis.reshape(requests, rows)[:, :, None])).sum())
         keys = sum(len(np.unique(r[r >= 0])) for r in ls)
     t = requests * rows
-    out = t * n * 4 + (0 if listed is None else scored * 4)
+    out = t * (n if listed is None else np.asarray(listed).shape[1]) * 4
     return 2 * scored * HEADS * DIM, keys * key_bytes + t * (HEADS * DIM * 2 + HEADS * 4) + out
 
 
@@ -126,6 +133,21 @@ def main() -> None:
                 rows_out.append(row)
                 print(f"{kind} {requests}x{rows} N={n}: {name} {row['ms']:.3f} ms ({row['x_roofline']:.2f}x "
                       f"roofline {roof[fmt]:.3f}); err {row.get('err', 0):.2e}", flush=True)
+            # the selection the model runs on these scores: over each row's scores (every entry, or the
+            # list), and at the candidate source the top blocks; its floor: the scores read once
+            scores = jnp.asarray(want)
+            floor = roofline_ms(0, scores.size * 4, ceil)
+            top = jax.jit(lambda s: jax.lax.top_k(s, min(TOPK, s.shape[1])))
+            select = {f"select[lax.top_k {TOPK}]": (top, (scores,))}
+            if kind == "decode" and n == max(c[3] for c in (SMOKE if args.smoke else CASES) if c[0] == "decode"):
+                select["select[candidate_blocks]"] = (jax.jit(partial(candidate_blocks, cfg=SOURCE)),
+                                                      (scores, visible))
+            for name, (fn, args_) in select.items():
+                row = {"case": case, "impl": name, "ms": time_jax(fn, *args_, inner=2 if args.smoke else 5, reps=3)}
+                row["x_roofline"] = row["ms"] / floor
+                rows_out.append(row)
+                print(f"{kind} {requests}x{rows} N={n}: {name} {row['ms']:.3f} ms ({row['x_roofline']:.2f}x its "
+                      f"read of the scores, {floor:.3f})", flush=True)
         except Exception as e:  # noqa: BLE001  (one case's failure is recorded, the rest still run)
             rows_out.append({"case": case, "impl": "setup", "ms": None, "error": repr(e)})
             traceback.print_exc()
