@@ -10,9 +10,10 @@ bytes an entry) and, for comparison, the same values in bf16; pages shuffled. Th
 are ``mega.indexer``'s two (the kernels of ``pallas_kernels.indexer`` and their XLA reference),
 called as the operator calls them; the kernels are checked against the reference on every case.
 Roofline: each request's scored keys read once, the scores written once, the dots at the bf16
-matmul rate. Beside the scoring, the selection the model runs on its output (``lax.top_k`` of 512
-over each row's scores, and on the candidate source's shape the top 2,048 blocks of 8), against
-one read of the scores.
+matmul rate. Beside the scoring, the selection on its output: the model's (``mega.topk.top_k``
+of 512 over each row's scores, its answer checked against ``lax.top_k``'s) and ``lax.top_k``'s
+(a sort of whole rows on the GPU), and on the candidate source's shape the top 2,048 blocks of
+8, against one read of the scores.
 
     python3 bench/indexer_gpu.py              # on the GPU, writes $OUT/indexer_gpu.json
     python3 bench/indexer_gpu.py --smoke      # CPU: tiny shapes, the kernel interpreted
@@ -34,6 +35,7 @@ from gpu_common import ceilings, rel_err, roofline_ms, run_info, time_jax, write
 
 from flash_rank import rank_config  # noqa: E402
 from mega.indexer import INDEX_PASS_BYTES  # noqa: E402
+from mega.topk import top_k  # noqa: E402
 from model.attention import candidate_blocks  # noqa: E402
 from model import quant  # noqa: E402
 from model.state import pool_row_bytes  # noqa: E402
@@ -137,13 +139,18 @@ def main() -> None:
             # list), and at the candidate source the top blocks; its floor: the scores read once
             scores = jnp.asarray(want)
             floor = roofline_ms(0, scores.size * 4, ceil)
-            top = jax.jit(lambda s: jax.lax.top_k(s, min(TOPK, s.shape[1])))
-            select = {f"select[lax.top_k {TOPK}]": (top, (scores,))}
+            k = min(TOPK, scores.shape[1])
+            lax_top = jax.jit(lambda s: jax.lax.top_k(s, k))
+            select = {f"select[lax.top_k {TOPK}]": (lax_top, (scores,)),
+                      f"select[mega.topk.top_k {TOPK}]": (jax.jit(lambda s: top_k(s, k, not args.smoke)), (scores,))}
             if kind == "decode" and n == max(c[3] for c in (SMOKE if args.smoke else CASES) if c[0] == "decode"):
                 select["select[candidate_blocks]"] = (jax.jit(partial(candidate_blocks, cfg=SOURCE)),
                                                       (scores, visible))
+            want_ids = np.asarray(lax_top(scores)[1])
             for name, (fn, args_) in select.items():
                 row = {"case": case, "impl": name, "ms": time_jax(fn, *args_, inner=2 if args.smoke else 5, reps=3)}
+                if "top_k" in name:
+                    row["same_as_lax"] = bool((np.asarray(fn(*args_)[1]) == want_ids).all())
                 row["x_roofline"] = row["ms"] / floor
                 rows_out.append(row)
                 print(f"{kind} {requests}x{rows} N={n}: {name} {row['ms']:.3f} ms ({row['x_roofline']:.2f}x its "

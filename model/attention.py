@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mega.attention import attention
 from mega.indexer import index_scores
+from mega.topk import top_k
 from mega.primitives import HIGHEST, apply_rope, linear, rms_norm
 from model import quant
 from model.batch import StepInfo
@@ -233,7 +234,7 @@ def _index(x, r, p, layer, ratio, pool_k, cfg, info, state, published, forced) -
         cand, listed = candidate_blocks(scores, visible, cfg)
     if forced is not None:
         chosen, entry_of = jnp.where(forced[:, :n] & (entries[None] < visible[:, None]), 0.0, -jnp.inf), None
-    vals, ids = jax.lax.top_k(chosen, k)
+    vals, ids = top_k(chosen, k)
     if entry_of is not None:
         ids = jnp.take_along_axis(entry_of, ids, axis=1)
     ok = vals > -jnp.inf

@@ -30,6 +30,26 @@ def test_top_k_is_lax_top_k(shape, k):
     assert ids.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("n", [131328, 65664, 20000])
+@pytest.mark.parametrize("clustered", [False, True], ids=["spread", "clustered"])
+def test_top_k_over_a_threshold_is_lax_top_k(n, clustered):
+    """k above GROUP (the indexer's 512 of a 128K context's entries) selects by a threshold; a
+    row whose top entries crowd a few groups has more candidates than slots, and the call falls
+    back to lax.top_k whole: both give lax.top_k's answer, ties, -inf and zeros included."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed={seed}")
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (5, n))
+    x = x.at[1].set(jnp.round(x[1] * 2))                 # ties at the threshold
+    x = x.at[2].set(jnp.where(jax.random.uniform(keys[1], (n,)) < 0.995, -jnp.inf, x[2]))   # fewer than k finite
+    x = x.at[3].set(0.0).at[3, ::3].set(-0.0)
+    if clustered:
+        x = x.at[4].set(jnp.arange(n, dtype=jnp.float32))   # the top entries fill the last groups
+    got = jax.jit(top_k, static_argnums=(1, 2))(x, 512, True)
+    for g, w in zip(got, jax.lax.top_k(x, 512)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("x", [jnp.zeros((0, 5000)), jnp.arange(5000, dtype=jnp.int32)[None] % 977])
 def test_top_k_falls_back_where_the_keys_do_not_apply(x):
     for got, want in zip(top_k(x, 3, True), jax.lax.top_k(x, 3)):
