@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import run_info, write  # noqa: E402
 
-FLAGS = {"default": "", "no-autotune": "--xla_gpu_autotune_level=0"}   # (XLA 0.11 has no parallel-LLVM flag)
+FLAGS = {"default": "", "no-autotune": "--xla_gpu_autotune_level=0"}   # (JAX 0.11's XLA has no parallel-LLVM flag)
 
 
 def child(depth: int, tokens: int, smoke: bool) -> dict:

@@ -57,7 +57,8 @@ def run(args, placement: str):
     t0 = time.perf_counter()
     engine = Engine.from_model_dir(CKPT, EngineConfig(
         max_running=max(batches), max_len=args.context + 256, page_size=page,
-        num_pages=args.context // page + max(batches) * per_request + 16, prefill_budget=256 if args.smoke else 8192,
+        num_pages=args.context // page + max(batches) * per_request + 16,
+        prefill_budget=max(256, 2 * max(batches)) if args.smoke else 8192,   # (it must exceed max_running)
         dtype="bfloat16", balanced_routing=True, decoder_replay="off", speculative_algorithm="DSPARK",
         speculative_num_draft_tokens=DRAFTS, speculative_fixed_verify=True, speculative_accept_length=ACCEPT,
         engram_placement=placement))

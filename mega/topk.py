@@ -17,11 +17,13 @@ int32 keys with the float32 total order (-0 below +0, as XLA's sorts order them:
 Above k = ``GROUP`` (the indexer's top 512 of a long context's entries, where the two levels
 would keep most of the row) it selects by a threshold instead (``_top_k_over_threshold``: why
 that is exact is in its docstring): a pass for group maxima, a small sort of them, two prefix
-sums and a compaction into ``CANDIDATES x k`` slots, whose top k is the answer.
+sums and a compaction of at most (k - 1) x group candidates, whose top k is the answer.
 
 The sampler's top-k/top-p thresholds use :func:`largest_threshold` over :func:`ordered_key`.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,6 @@ from jax import lax
 from mega import backend
 
 GROUP = 128  # entries per group in top_k's first level
-CANDIDATES = 4  # slots per selected entry in the threshold selection (k > GROUP)
 
 
 def ordered_key(x: jax.Array, merge_zeros: bool = True) -> jax.Array:
@@ -72,44 +73,44 @@ def top_k(x: jax.Array, k: int, grouped: bool | None = None) -> tuple[jax.Array,
         return lax.top_k(x, k)   # (other dtypes: no exact f32 key)
     keys = lax.bitcast_convert_type(ordered_key(x, merge_zeros=False) ^ jnp.uint32(0x80000000), jnp.int32)
     if k > GROUP:
-        group = 1 << max(0, (n // (4 * k)).bit_length() - 1)   # >= 4k groups: their k-th maximum is high
-        return _top_k_over_threshold(x, keys, k, min(group, GROUP)) if group >= 8 else lax.top_k(x, k)
+        # groups of ~sqrt(n / k) balance the two sorts: n / g maxima and (k - 1) g candidates
+        group = 1 << max(1, round(math.log2(n / k) / 2))
+        if n // group + (k - 1) * group > n // 2:   # no cheaper than sorting the row
+            return lax.top_k(x, k)
+        return _top_k_over_threshold(x, keys, k, group)
     if n <= 2 * k * GROUP:   # the candidates would be most of the row
         return lax.top_k(x, k)
-    lead = keys.shape[:-1]
-    # padding sorts last: no key is smaller, and ties go to the lower (real) index
-    keys = jnp.pad(keys, [(0, 0)] * len(lead) + [(0, -n % GROUP)], constant_values=jnp.iinfo(jnp.int32).min)
-    groups = keys.reshape(*lead, -1, GROUP)
+    groups = _grouped(keys, GROUP)
     chosen = jnp.sort(lax.top_k(groups.max(-1), k)[1], axis=-1)
-    cand = jnp.take_along_axis(groups, chosen[..., None], axis=-2).reshape(*lead, k * GROUP)
+    cand = jnp.take_along_axis(groups, chosen[..., None], axis=-2).reshape(*keys.shape[:-1], k * GROUP)
     pos = lax.top_k(cand, k)[1]
     idx = jnp.take_along_axis(chosen, pos // GROUP, axis=-1) * GROUP + pos % GROUP
     return jnp.take_along_axis(x, idx, axis=-1), idx
 
 
+def _grouped(keys: jax.Array, group: int) -> jax.Array:
+    """``keys [..., n]`` as ``[..., n / group, group]``, padded with the smallest int32: padding
+    sorts last, and ties go to the lower (real) index."""
+    pad = [(0, 0)] * (keys.ndim - 1) + [(0, -keys.shape[-1] % group)]
+    return jnp.pad(keys, pad, constant_values=jnp.iinfo(jnp.int32).min).reshape(*keys.shape[:-1], -1, group)
+
+
 def _top_k_over_threshold(x: jax.Array, keys: jax.Array, k: int, group: int) -> tuple[jax.Array, jax.Array]:
-    """Top k by a threshold: ``t``, the k-th largest of the rows' ``group``-entry maxima, is at
-    most the k-th largest key (the k groups above it hold k keys at least t). So the top k are
-    the keys above t, or if fewer than k are, those and the first of the keys equal to t. They
-    are packed in index order into ``CANDIDATES x k`` slots and the top k taken there (ties to
-    the lower index, as ``lax.top_k``); a row with more candidates than slots (scores crowded at
-    the top) sends the call to ``lax.top_k`` whole."""
+    """Top k by a threshold. ``t``, the k-th largest of the rows' ``group``-entry maxima, is at
+    most the k-th largest key (the k groups at or above it hold k keys at least t). So the top
+    k are the keys above t, or, if fewer than k are, those and the first keys equal to t. Keys
+    above t lie in the at most k - 1 groups whose maximum is above t: at most (k - 1) x group
+    candidates, packed in index order into as many slots, whose top k (ties to the lower index,
+    as ``lax.top_k``) is the answer. Two sorts of about sqrt(n k) entries a row instead of n."""
     shape, n = x.shape, x.shape[-1]
     x, keys = x.reshape(-1, n), keys.reshape(-1, n)
-    floor = jnp.iinfo(jnp.int32).min
-    maxima = jnp.pad(keys, ((0, 0), (0, -n % group)), constant_values=floor).reshape(keys.shape[0], -1, group)
-    t = lax.top_k(maxima.max(-1), k)[0][:, -1:]
+    t = lax.top_k(_grouped(keys, group).max(-1), k)[0][:, -1:]
     above, level = keys > t, keys == t
     cand = above | (level & (jnp.cumsum(level, -1, dtype=jnp.int32) <= k - above.sum(-1, keepdims=True)))
-    slots = CANDIDATES * k
-    at = jnp.where(cand, jnp.cumsum(cand, -1, dtype=jnp.int32) - 1, slots)   # past the slots: dropped
-    rows = jnp.arange(keys.shape[0])[:, None]
-
-    def packed():
-        packed_keys = jnp.full((keys.shape[0], slots), floor, jnp.int32).at[rows, at].set(keys, mode="drop")
-        packed_ids = jnp.full((keys.shape[0], slots), n, jnp.int32).at[rows, at].set(
-            jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keys.shape), mode="drop")
-        return jnp.take_along_axis(packed_ids, lax.top_k(packed_keys, k)[1], axis=-1)
-
-    idx = lax.cond(jnp.any(cand.sum(-1) > slots), lambda: lax.top_k(x, k)[1], packed)
+    slots = max((k - 1) * group, k)
+    at = jnp.where(cand, jnp.cumsum(cand, -1, dtype=jnp.int32) - 1, slots)   # past the slots: not a candidate
+    ids = jnp.full((keys.shape[0], slots), n, jnp.int32).at[jnp.arange(keys.shape[0])[:, None], at].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keys.shape), mode="drop")
+    packed = jnp.take_along_axis(jnp.pad(keys, ((0, 0), (0, 1)), constant_values=jnp.iinfo(jnp.int32).min), ids, -1)
+    idx = jnp.take_along_axis(ids, lax.top_k(packed, k)[1], axis=-1)
     return jnp.take_along_axis(x, idx, axis=-1).reshape(*shape[:-1], k), idx.reshape(*shape[:-1], k)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from mega.attention import attention
 from mega.indexer import index_scores
-from mega.topk import top_k
 from mega.primitives import HIGHEST, apply_rope, linear, rms_norm
+from mega.topk import top_k
 from model import quant
 from model.batch import StepInfo
 from model.config import ModelConfig
@@ -42,7 +42,7 @@ class Published(NamedTuple):
     candidates: jnp.ndarray | None = None  # [T, N] entry mask of the candidate source
     candidate_entries: jnp.ndarray | None = None  # [T, candidate_width] the same entries listed (-1: none)
     entries: jnp.ndarray | None = None  # [T, K] the selected entry numbers (-1: none), for traces
-    scores: jnp.ndarray | None = None  # [T, N] the index scores the selection ran on, for traces
+    scores: jnp.ndarray | None = None  # [T, N] the index scores (-inf where unscored), for traces
 
 
 class SourceUpdate(NamedTuple):

@@ -145,7 +145,8 @@ def forward_trunk(params: dict, cfg: ModelConfig, state: ModelState, batch: Batc
             f = _ffn_site(lp, cfg, i, f, y, attn_mix)
     info, row_src = replay_rows(cfg, f.state, f.info, keep, rows)
     take = partial(jax.tree.map, lambda a: a[jnp.maximum(row_src, 0)])
-    cut = Cut(take(f.residual), take(y), take(attn_mix), take(f.published), info, take(f.hash_rows), row_src,
+    published = f.published._replace(scores=None, candidates=None)   # [T, N], for traces: not through the cut
+    cut = Cut(take(f.residual), take(y), take(attn_mix), take(published), info, take(f.hash_rows), row_src,
               engram_hist, take(f.taps))
     return cut, f.state.replace(window=f.windows)
 

@@ -11,8 +11,9 @@ pool as stored: ``Fp4Keys`` of P rows (the model's), or [P, d] bf16 values, ``w`
 fp32, ``rows`` [B, N] int32 (the pool row of each request's entry ``e``), ``slot`` [T] int32
 (the request of each row), ``visible`` [T] int32 (its visible entries, at most N). H and d
 powers of two from 16 (the tensor cores' tiles), N a multiple of ``BLOCK_N``. Returns [T, N]
-fp32. ``index_scores_listed`` scores only the entries listed for
-each row (the index layers past the candidate source score their candidate blocks alone).
+fp32. ``index_scores_listed`` scores only the entries listed for each row (the index layers
+past the candidate source score their candidate blocks alone) and returns them in list order,
+[T, S].
 
 Design: a program per (group of a request's rows, chunk of ``CHUNK`` x ``BLOCK_N`` entries),
 groups fastest. A group is up to ``group_rows(H)`` consecutive rows of one request (a decode

@@ -41,7 +41,7 @@ def case(rng, heads, head_dim, n, slots=3, rows_per_slot=(1, 4, 3), per_page=16,
 
 @pytest.mark.parametrize("fp4", [True, False], ids=["fp4-keys", "bf16-keys"])
 @pytest.mark.parametrize("heads,head_dim,n", [(16, 64, 192), (64, 128, 64 * CHUNK + 128)],
-                         ids=["one-program-a-row", "two-programs-a-row"])
+                         ids=["one-chunk-a-group", "two-chunks-a-group"])
 def test_kernel_matches_reference(rng, heads, head_dim, n, fp4):
     q, w, keys, rows, slot, visible = case(rng, heads, head_dim, n, fp4=fp4)
     scale = head_dim ** -0.5

@@ -30,21 +30,22 @@ def test_top_k_is_lax_top_k(shape, k):
     assert ids.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("n", [131328, 65664, 20000])
-@pytest.mark.parametrize("clustered", [False, True], ids=["spread", "clustered"])
-def test_top_k_over_a_threshold_is_lax_top_k(n, clustered):
-    """k above GROUP (the indexer's 512 of a 128K context's entries) selects by a threshold; a
-    row whose top entries crowd a few groups has more candidates than slots, and the call falls
-    back to lax.top_k whole: both give lax.top_k's answer, ties, -inf and zeros included."""
+@pytest.mark.parametrize("n,dtype", [(131328, jnp.float32), (65664, jnp.float32), (16384, jnp.float32),
+                                     (100003, jnp.bfloat16)])
+def test_top_k_over_a_threshold_is_lax_top_k(n, dtype):
+    """k above GROUP (the indexer's 512 of a 128K context's entries) selects by a threshold:
+    lax.top_k's answer for rows spread, tied at the threshold, with fewer than k finite, of
+    zeros of both signs, with the top entries crowded into the last groups, and all -inf; rows
+    not a multiple of the groups, leading dims."""
     seed = int(np.random.default_rng().integers(1 << 30))
     print(f"seed={seed}")
     keys = jax.random.split(jax.random.key(seed), 2)
-    x = jax.random.normal(keys[0], (5, n))
-    x = x.at[1].set(jnp.round(x[1] * 2))                 # ties at the threshold
-    x = x.at[2].set(jnp.where(jax.random.uniform(keys[1], (n,)) < 0.995, -jnp.inf, x[2]))   # fewer than k finite
+    x = jax.random.normal(keys[0], (6, n))
+    x = x.at[1].set(jnp.round(x[1] * 2))
+    x = x.at[2].set(jnp.where(jax.random.uniform(keys[1], (n,)) < 0.995, -jnp.inf, x[2]))
     x = x.at[3].set(0.0).at[3, ::3].set(-0.0)
-    if clustered:
-        x = x.at[4].set(jnp.arange(n, dtype=jnp.float32))   # the top entries fill the last groups
+    x = x.at[4].set(jnp.arange(n, dtype=jnp.float32))
+    x = x.at[5].set(-jnp.inf).astype(dtype).reshape(2, 3, n)
     got = jax.jit(top_k, static_argnums=(1, 2))(x, 512, True)
     for g, w in zip(got, jax.lax.top_k(x, 512)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
