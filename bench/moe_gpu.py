@@ -51,7 +51,7 @@ from gpu_common import (batched, ceilings, gpu_kernels, gpu_timeline, rel_err, r
                         time_jax_one_dispatch, time_torch, torch, write)
 
 from mega.moe import aligned_layout  # noqa: E402
-from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight, e4m3_rounded
 from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu, swiglu_f32
 
 E, D, I = 6, 5120, 2304
@@ -181,11 +181,23 @@ def counts_for(t: int, routing: str) -> np.ndarray:
     return c
 
 
-@functools.partial(jax.jit, static_argnames=("counts", "fp8_rows"))
-def reference(xs, w1, w3, w2, counts, fp8_rows=False):
+def absmax_rounded(x):
+    """``x`` rounded as SGLang's W8A8 quantises rows: e4m3 with a scale of absmax / 448 per 128 columns."""
+    m, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
+    scale = jnp.maximum(jnp.abs(blocks).max(axis=-1, keepdims=True), 1e-10) / 448.0
+    return (e4m3_rounded(blocks / scale) * scale).reshape(m, k).astype(x.dtype)
+
+
+ROW_ROUNDING = {"bf16": lambda v: v, "w8a8": Fp8Rows.rounded, "w8a8_absmax": absmax_rounded}
+
+
+@functools.partial(jax.jit, static_argnames=("counts", "rows"))
+def reference(xs, w1, w3, w2, counts, rows="bf16"):
     """fp32 per-expert reference on rows grouped by expert (h rounded to bf16 as the model does;
-    ``fp8_rows``: x and h also rounded to fp8 rows as W8A8 does)."""
-    rounded = Fp8Rows.rounded if fp8_rows else (lambda v: v)
+    ``rows``: how x and h are also rounded to fp8 rows, as W8A8 does: ours, power-of-two scales,
+    or SGLang's)."""
+    rounded = ROW_ROUNDING[rows]
     xs = rounded(xs)
     outs, start = [], 0
     f32 = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
@@ -284,7 +296,59 @@ def impls(xs, w1, w3, w2, counts):
         out["torch_grouped_mm"] = ("torch", lambda: torch._grouped_mm(
             tglu(torch._grouped_mm(tx, t13.transpose(1, 2), offs=offs)), t2.transpose(1, 2), offs=offs),
             (), lambda y: y.float().cpu().numpy())
+    out.update(sglang_impls(xs, w13, w2, counts))
     return out
+
+
+def sglang_impls(xs, w13, w2, counts):
+    """SGLang's Triton fused MoE (``sglang_moe``) on the same rows and weights (bf16 arrays, or
+    ``QuantizedWeight`` stacks for W8A8 block-fp8), in a CUDA graph as SGLang runs its decode
+    steps; one entry per config (its own pick for the shape, the nearest tuned one)."""
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    try:
+        import sglang_moe
+        sglang_moe.load()
+    except Exception as e:   # the wheel not carried, or an import it needs: the run goes on without the peer
+        print(f"sglang fused MoE unavailable: {type(e).__name__}: {e}", flush=True)
+        return {}
+
+    def fp8(q):   # (dlpack carries no fp8: the bytes, viewed as e4m3 again)
+        return torch.from_dlpack(jax.lax.bitcast_convert_type(q, jnp.uint8)).view(torch.float8_e4m3fn)
+
+    quantized = isinstance(w13, QuantizedWeight)
+    t13, t2 = (fp8(w.q) for w in (w13, w2)) if quantized else (torch.from_dlpack(w) for w in (w13, w2))
+    scales = tuple(torch.from_dlpack(w.scale) for w in (w13, w2)) if quantized else None
+    rows = torch.from_dlpack(xs)
+    expert = torch.repeat_interleave(torch.arange(len(counts), device="cuda"),
+                                     torch.as_tensor(np.asarray(counts), device="cuda"))
+    out = {}
+    for label, config in sglang_moe.configs(int(counts.sum()), len(counts), I, D, quantized).items():
+        plan = (expert, sglang_moe.align(expert, config["BLOCK_SIZE_M"], len(counts)))
+        call = functools.partial(sglang_moe.fused_experts, rows, t13, t2, plan, config, scales)
+        shape = (f"{config['BLOCK_SIZE_M']}x{config['BLOCK_SIZE_N']}x{config['BLOCK_SIZE_K']}"
+                 f" g{config.get('GROUP_SIZE_M', 1)} w{config.get('num_warps', 4)} s{config.get('num_stages', 3)}")
+        out[f"sglang_triton[{label}: {shape}]"] = ("torch", cuda_graph(call), (),
+                                                  lambda y: y.float().cpu().numpy())
+    return out
+
+
+def cuda_graph(call):
+    """``call`` captured once in a CUDA graph (warmed up and compiled first): a replay returns its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
 
 
 def run_case(t, routing, ceil, rows, roof, weights="bf16", shared=False):
@@ -311,11 +375,17 @@ def run_case(t, routing, ceil, rows, roof, weights="bf16", shared=False):
     elif t <= 256:  # quantised weights: the weight-streaming (decode) regime, against their own roofline
         suffix, quantize, per_weight, dtype = QUANTIZED[weights]
         q1, q3, q2 = (quantize(w) for w in (w1, w3, w2))
-        ref = np.asarray(reference(xs, *(q.dequantized() for q in (q1, q3, q2)),
-                                   tuple(int(c) for c in counts), weights == "w8a8"))
+        weights_f32 = [q.dequantized() for q in (q1, q3, q2)]
+        ref = np.asarray(reference(xs, *weights_f32, tuple(int(c) for c in counts),
+                                   "w8a8" if weights == "w8a8" else "bf16"))
         roof[key + suffix] = roofline_ms(flops, 3 * E * I * D * per_weight + 2 * n * D * 2, ceil)
         measure(key + suffix, {**case, "dtype": dtype}, quantized_impls(weights, xs, q1, q3, q2, counts),
                 ref, rows, roof)
+        if weights == "w8a8":   # SGLang's rows carry absmax scales: checked against their own rounding
+            peer_ref = np.asarray(reference(xs, *weights_f32, tuple(int(c) for c in counts), "w8a8_absmax"))
+            w13 = QuantizedWeight.of(*(jnp.concatenate(pair, axis=1) for pair in ((q1.q, q3.q), (q1.scale, q3.scale))))
+            measure(key + suffix, {**case, "dtype": dtype}, sglang_impls(xs, w13, q2, counts), peer_ref, rows, roof,
+                    dispatch=False)
 
 
 def fused_shared_impls(xs, w1, w3, w2, counts):
@@ -370,7 +440,7 @@ def quantized_impls(weights, xs, q1, q3, q2, counts):
     return out
 
 
-def measure(key, case, variants, ref, rows, roof):
+def measure(key, case, variants, ref, rows, roof, dispatch=True):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:  # compile this case's JAX variants side by side
         futures = {name: pool.submit(lambda f, a: f.lower(*a).compile(), fn, args)
@@ -391,7 +461,8 @@ def measure(key, case, variants, ref, rows, roof):
         rows.append(row)
         print(f"{key:>16} {name:<44} {row.get('ms', float('nan')):8.3f} ms  "
               f"err {row.get('rel_err', float('nan')):.1e}  {row.get('error', '')[:80]}", flush=True)
-    one_dispatch(key, variants, rows)
+    if dispatch:
+        one_dispatch(key, variants, rows)
 
 
 def varied(rows, factor):

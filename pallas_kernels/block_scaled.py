@@ -202,6 +202,14 @@ class Fp4Weight(NamedTuple):
         return w.astype(dtype)
 
 
+def e4m3_rounded(v: jnp.ndarray) -> jnp.ndarray:
+    """float32 ``v`` (within +-448) rounded to e4m3fn's grid, as float32: 3 mantissa bits from
+    2^-6 up (``reduce_precision`` with a wider exponent, which XLA on the GPU keeps where it
+    drops a convert to fp8 and back), a fixed 2^-9 step below."""
+    return jnp.where(jnp.abs(v) < 2.0 ** -6, jnp.round(v * 2.0 ** 9) * 2.0 ** -9,
+                     jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3))
+
+
 def scale_row(n: int) -> int:
     """Length of a scale row of ``n`` entries padded to 128 bytes, since a TMA copy into
     shared memory must start at a 128-byte-aligned address (rows of several weights sit side
@@ -277,18 +285,12 @@ class Fp8Rows(NamedTuple):
     @staticmethod
     @straight_through
     def rounded(x: jax.Array) -> jax.Array:
-        """``from_float(x).dequantized(x.dtype)`` for the references, without an fp8 array: XLA
-        on the GPU drops a convert to fp8 and back inside a fusion (excess precision), so the
-        rounding is spelled out. e4m3fn keeps 3 mantissa bits from 2^-6 up (``reduce_precision``
-        with a wider exponent, which the GPU keeps; values stay within 448), and a fixed
-        2^-9 step below."""
+        """``from_float(x).dequantized(x.dtype)`` for the references, without an fp8 array (XLA
+        on the GPU drops a convert to fp8 and back inside a fusion): ``e4m3_rounded``."""
         m, k = x.shape
         blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
         scale = fp8_scale(jnp.abs(blocks).max(axis=-1))[..., None]
-        v = blocks / scale
-        v = jnp.where(jnp.abs(v) < 2.0 ** -6, jnp.round(v * 2.0 ** 9) * 2.0 ** -9,
-                      jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3))
-        return (v * scale).reshape(m, k).astype(x.dtype)
+        return (e4m3_rounded(blocks / scale) * scale).reshape(m, k).astype(x.dtype)
 
 
 class Fp8Pool(NamedTuple):
