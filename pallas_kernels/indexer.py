@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.block_scaled import Fp4Keys, stored_kind
+from pallas_kernels.block_scaled import Fp4Keys, e2m1_scaled, stored_kind
 
 BLOCK_N = 64      # entries per dot
 CHUNK = 16        # blocks per program: q is loaded once per 1024 entries
@@ -54,18 +54,6 @@ def fits(heads: int, head_dim: int, n: int, kind: str) -> bool:
     pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
     return (kind in ("fp4", "bfloat16") and pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
             and (kind != "fp4" or head_dim % 64 == 0))
-
-
-def _e2m1_scaled(code: jax.Array, exponent: jax.Array) -> jax.Array:
-    """float32 values of int32 e2m1 ``code`` times ``2**(exponent - 127)`` (UE8M0), built as IEEE
-    bits (Triton has no gather from a constant table, and bits take fewer instructions than
-    arithmetic): magnitude codes 2-7 are ``2**(e - 1) * (1 + m/2)``, whose exponent and mantissa
-    bits are the code's three bits shifted in; code 1 is 0.5; 0 is 0. Exact for exponents in
-    [2, 252] (the keys' scales)."""
-    em = code & 7
-    bits = ((exponent - 1) << 23) + jnp.where(em >= 2, em << 22, 0)
-    bits = jnp.where(em == 0, 0, bits) | ((code & 8) << 28)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _q_parts(q_ref, rows, fp4: bool) -> list:
@@ -92,7 +80,7 @@ def _key_parts(key_refs, r) -> list:
         exponent = 0
         for b in range(per_half):
             exponent = jnp.where(block == b, scale_ref[r, half * per_half + b].astype(jnp.int32)[:, None], exponent)
-        parts.append(_e2m1_scaled(code, exponent).astype(jnp.bfloat16))
+        parts.append(e2m1_scaled(code, exponent).astype(jnp.bfloat16))
     return parts
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from model import quant
-from pallas_kernels.block_scaled import FP4_MAX, FP8_MAX, Fp4Keys, mxfp4_parts, scale_exponent
+from pallas_kernels.block_scaled import (FP4_MAX, FP8_MAX, Fp4Keys, e2m1_scaled, e2m1_value, mxfp4_parts,
+                                         scale_exponent)
 
 
 def _floats(exponents: tuple[int, ...]) -> np.ndarray:
@@ -42,3 +43,11 @@ def test_fp4_keys_store_grid_values_losslessly():
     for stored in (Fp4Keys.from_float(on_grid), Fp4Keys.from_float(jnp.asarray(x))):
         np.testing.assert_array_equal(np.asarray(stored.dequantized()), np.asarray(on_grid))
     assert stored.codes.nbytes // 300 + stored.scale.nbytes // 300 == 68
+
+
+def test_e2m1_scaled_builds_every_code_at_every_exponent_exactly():
+    code, exponent = np.meshgrid(np.arange(16, dtype=np.int32), np.arange(2, 253, dtype=np.int32))
+    got = np.asarray(e2m1_scaled(jnp.asarray(code), jnp.asarray(exponent)))
+    want = np.asarray(e2m1_value(jnp.asarray(code))) * np.exp2(exponent - 127.0)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert np.signbit(got[:, 8]).all()   # -0 stays signed
