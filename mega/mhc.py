@@ -4,7 +4,10 @@ A step does what DeepGEMM's ``mega_mhc`` fuses on SM100: apply the pending updat
 previous sublayer (``H' = post * y + C^T H``), compute this site's mix coefficients from
 the flattened stream (unweighted RMS, one ``[24, 4D]`` projection, sigmoid / 2-sigmoid /
 softmax, Sinkhorn), collapse ``H'`` with the *previous* site's ``pre`` (the shifted
-pre-mix), and RMS-normalise the result into the next sublayer's input.
+pre-mix), and RMS-normalise the result into the next sublayer's input. The pass over the
+streams (expansion, statistic, projection, collapse) is ``pallas_kernels.mhc``'s kernel on
+GPU, one launch; the coefficients and the final norm, elementwise over ``[T, 24]`` and
+``[T, D]``, are XLA's.
 
 ``update`` is None for the very first site; ``site`` is None for the final collapse
 before the LM head (no new coefficients). All mixing runs in fp32.
@@ -17,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from mega import backend
-from mega.primitives import HIGHEST, linear, rms_norm
+from mega.primitives import rms_norm
+from pallas_kernels.mhc import expand_reference, fits, mhc_pass, mhc_pass_reference
 
 
 class HcMix(NamedTuple):
@@ -34,11 +38,21 @@ class Update(NamedTuple):
     comb: jnp.ndarray
 
 
-def hc_mix(residual: jnp.ndarray, site: dict, *, eps: float, hc_eps: float, iters: int) -> HcMix:
-    """Mix coefficients of one site from the streams ``[T, hc, D]``."""
-    t, hc, d = residual.shape
-    flat = rms_norm(residual.reshape(t, hc * d).astype(jnp.float32), None, eps)
-    m = linear(flat, site["fn"].astype(jnp.float32))
+def kernel_path(dtype, hidden: int, mix_rows: int) -> backend.Path:
+    """Which implementation runs a step's pass over streams of ``dtype`` and width ``hidden``
+    into a mix of ``mix_rows`` (0: the final collapse), ``pallas_kernels.mhc``'s kernel or XLA."""
+    why = backend.kernels_off()
+    if why is None and jnp.dtype(dtype) != jnp.bfloat16:
+        why = f"{jnp.dtype(dtype).name} streams (the kernel takes bf16)"
+    if why is None and not fits(hidden, mix_rows):
+        why = f"hidden {hidden} or a mix of {mix_rows} rows does not tile"
+    return backend.Path.reference(why) if why else backend.Path(True, "pallas mHC pass")
+
+
+def coefficients(m: jnp.ndarray, site: dict, *, hc: int, hc_eps: float, iters: int) -> HcMix:
+    """A site's mix coefficients from its projection ``m [T, (2 + hc) hc]``: sigmoid pre, 2-sigmoid post,
+    and the Sinkhorn-balanced softmax of the stream-to-stream mix."""
+    t = m.shape[0]
     base, scale = site["base"].astype(jnp.float32), site["scale"].astype(jnp.float32)
     pre = jax.nn.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -59,17 +73,7 @@ def hc_mix(residual: jnp.ndarray, site: dict, *, eps: float, hc_eps: float, iter
 
 def hc_expand(residual: jnp.ndarray, update: Update | None) -> jnp.ndarray:
     """``H'_k = post_k * y + sum_j C[j, k] * H_j`` (identity when there is no update)."""
-    if update is None:
-        return residual
-    mixed = jnp.einsum("tjk,tjd->tkd", update.comb, residual.astype(jnp.float32),
-                       precision=HIGHEST)
-    out = update.post[..., None] * update.y.astype(jnp.float32)[:, None, :] + mixed
-    return out.astype(residual.dtype)
-
-
-def collapse(residual: jnp.ndarray, pre: jnp.ndarray) -> jnp.ndarray:
-    return jnp.einsum("tk,tkd->td", pre, residual.astype(jnp.float32),
-                      precision=HIGHEST).astype(residual.dtype)
+    return expand_reference(residual, update)
 
 
 @jax.named_scope("mega_mhc")  # prefixes its ops' names in HLO dumps and XProf
@@ -78,7 +82,10 @@ def mhc_step(residual: jnp.ndarray, update: Update | None, site: dict | None, pr
              ) -> tuple[jnp.ndarray, jnp.ndarray, HcMix | None]:
     """Returns ``(H', x, mix)``: the updated streams, the next sublayer's normalised input
     (collapsed with ``prev_pre``) and this site's coefficients (None when ``site`` is None)."""
-    residual = hc_expand(residual, update)
-    mix = None if site is None else hc_mix(residual, site, eps=eps, hc_eps=hc_eps, iters=iters)
-    x = rms_norm(collapse(residual, prev_pre), norm_weight, eps)
-    return residual, x, mix
+    fn = None if site is None else site["fn"].astype(jnp.float32)
+    if kernel_path(residual.dtype, residual.shape[-1], 0 if fn is None else fn.shape[0]).kernel:
+        residual, collapsed, m = mhc_pass(residual, update, prev_pre, fn, eps=eps, interpret=backend.interpreting())
+    else:
+        residual, collapsed, m = mhc_pass_reference(residual, update, prev_pre, fn, eps=eps)
+    mix = None if site is None else coefficients(m, site, hc=residual.shape[1], hc_eps=hc_eps, iters=iters)
+    return residual, rms_norm(collapsed, norm_weight, eps), mix

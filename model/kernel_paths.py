@@ -1,9 +1,8 @@
 """Which implementation each mega operator takes in a model's steps, in words, for the start-up log.
 
 The operators choose when they are traced (``mega.backend``); this asks the same functions
-they ask (``mega.attention.kernel_path``, ``mega.indexer.kernel_path``, ``mega.moe.plan``) with the
-model's own operands, so
-the report cannot differ from what runs.
+they ask (``mega.attention.kernel_path``, ``mega.indexer.kernel_path``, ``mega.mhc.kernel_path``,
+``mega.moe.plan``) with the model's own operands, so the report cannot differ from what runs.
 """
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
-from mega import attention, indexer, moe
+from mega import attention, indexer, mhc, moe
 from model import quant
 from model.attention import candidate_width
 from model.config import ModelConfig
@@ -43,7 +42,7 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     for t in sorted(step_tokens):
         sizes.setdefault(moe.plan(dtype, params["layers"][0]["moe"], spec, t * spec.top_k).path.text, []).append(t)
     out["mega.moe"] = _summary(sizes, lambda ts: f"{ts[0]}-{ts[-1]} tokens")
-    out["mega.mhc_step"] = "XLA (no Pallas kernel yet)"
+    out["mega.mhc_step"] = mhc.kernel_path(dtype, cfg.hidden_size, cfg.hc_mix_dim).text
     if cfg.engram_layer_ids:
         table = params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].dtype
         out["mega.engram"] = f"XLA ({jnp.dtype(table).name} table)"

@@ -18,11 +18,13 @@ import pytest
 
 import mega.attention
 import mega.indexer
+import mega.mhc
 import mega.moe
 from checkpoints.init import init_params
 from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
 from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
 from pallas_kernels.indexer import index_scores_reference
+from pallas_kernels.mhc import mhc_pass_reference
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -43,7 +45,11 @@ def kernel_sized():
                                                          ("auto", "mxfp4"), ("auto", "w8a8")])
 def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantization, monkeypatch):
     cfg, params = kernel_sized
-    seen = {"attention": [], "moe": 0, "expert_weights": set(), "indexer": 0}
+    seen = {"attention": [], "moe": 0, "expert_weights": set(), "indexer": 0, "mhc": 0}
+
+    def mhc_kernel(streams, update, pre, fn, *, eps, interpret=False):
+        seen["mhc"] += 1
+        return mhc_pass_reference(streams, update, pre, fn, eps=eps)
 
     def indexer_kernel(q, w, keys, rows, slot, visible, *, scale, interpret=False):
         seen["indexer"] += 1
@@ -75,12 +81,13 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     monkeypatch.setattr(mega.moe, "grouped_swiglu", swiglu_kernel)
     monkeypatch.setattr(mega.moe, "grouped_matmul", matmul_kernel)
     monkeypatch.setattr(mega.indexer, "index_scores_kernel", indexer_kernel)
+    monkeypatch.setattr(mega.mhc, "mhc_pass", mhc_kernel)
     engine = Engine(params, cfg, EngineConfig(max_running=2, max_len=64, page_size=16, prefill_budget=64,
                                               kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                               dtype="bfloat16"))
     paths = engine.kernel_paths   # what the start-up log says is what runs
     assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
-    assert paths["mega.indexer"] == "pallas indexer (fp4 keys)"
+    assert paths["mega.indexer"] == "pallas indexer (fp4 keys)" and paths["mega.mhc_step"] == "pallas mHC pass"
     assert ("fp8 window" in paths["mega.attention"]) == (kv_cache_dtype == "fp8_e4m3")
     assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
@@ -90,6 +97,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
     assert seen["indexer"] * 2 == seen["moe"]   # the one index source's scoring, in every bucket traced
+    assert seen["mhc"] >= 5 * seen["indexer"]   # every site's pass: two a layer and the final collapse
     # --quantization fp8 / mxfp4 / w8a8: every routed and shared expert stack reaches the kernels so
     assert seen["expert_weights"] == {quantization}
     for dtypes, fits in seen["attention"]:
