@@ -13,13 +13,15 @@ Returns ``(H', c, m [T, M] fp32 | None)``; H' is ``streams`` itself without an u
 kernel's sums differ from the reference's only in order (it scales the projection by the RMS
 factor after the dot, not its input before).
 
-Design: a program per (block of ``BLOCK_T`` rows, chunk of ``BLOCK_D`` channels), so that a
-decode step's few rows still spread over the SMs. A program reads its rows' four streams and the
-update once, writes H' and c, and leaves its chunk's share of the sum of squares and of the
-projection (an fp32 dot of its H' against its chunk of ``fn``, IEEE, not TF32) in per-chunk
-partials that the jitted wrapper sums and scales: one launch where XLA runs the expansion, the
-statistic, a skinny fp32 GEMM over K = hc D (which some XLA flags hand to untuned cuBLAS, one
-CTA walking all of K) and the collapse.
+Design: a program per (block of ``BLOCK_T`` rows, run of ``BLOCK_D``-channel chunks): one chunk
+a program at decode sizes, so that a step's few rows still spread over the SMs, more from 1K
+rows (``chunks_per_program``). A program reads its rows' four streams and the update once,
+writes H' and c, and leaves its share of the sum of squares and of the projection (an fp32 dot
+of its H' against its chunks of ``fn``, IEEE, not TF32) in partials that the jitted wrapper
+sums and scales: one launch where XLA runs the expansion, the statistic, a skinny fp32 GEMM over
+K = hc D (which some XLA flags hand to untuned cuBLAS, one CTA walking all of K) and the
+collapse. The Triton backend, as the indexer's: masked row edges and a small dot, no tiles to
+stage through shared memory.
 """
 from __future__ import annotations
 
