@@ -308,7 +308,7 @@ def sglang_impls(xs, w13, w2, counts):
         return {}
     try:
         import sglang_moe
-        sglang_moe.load()
+        version = sglang_moe.load().version
     except Exception as e:   # the wheel not carried, or an import it needs: the run goes on without the peer
         print(f"sglang fused MoE unavailable: {type(e).__name__}: {e}", flush=True)
         return {}
@@ -328,7 +328,7 @@ def sglang_impls(xs, w13, w2, counts):
         call = functools.partial(sglang_moe.fused_experts, rows, t13, t2, plan, config, scales)
         shape = (f"{config['BLOCK_SIZE_M']}x{config['BLOCK_SIZE_N']}x{config['BLOCK_SIZE_K']}"
                  f" g{config.get('GROUP_SIZE_M', 1)} w{config.get('num_warps', 4)} s{config.get('num_stages', 3)}")
-        out[f"sglang_triton[{label}: {shape}]"] = ("torch", cuda_graph(call), (),
+        out[f"sglang_triton {version}[{label}: {shape}]"] = ("torch", cuda_graph(call), (),
                                                   lambda y: y.float().cpu().numpy())
     return out
 

@@ -20,6 +20,7 @@ this device and dtype (the best case for the peer short of tuning it here).
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import logging
@@ -147,7 +148,7 @@ def _nearest_file(experts: int, n: int, dtype, block):
     suffix = (f",device_name={device}" + (f",dtype={dtype}" if dtype else "")
               + (f",block_shape={block}" if block else ""))
     best = None
-    for path in sorted(sgl.config_dir.glob(f"*/E=*{suffix}.json")):
+    for path in sorted(sgl.config_dir.glob(f"*/E=*{glob.escape(suffix)}.json")):
         e, nn = (int(part.split("=")[1]) for part in path.name.split(",")[:2])
         distance = abs(math.log(e / experts)) + abs(math.log(nn / n))
         if best is None or distance < best[0]:
