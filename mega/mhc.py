@@ -49,7 +49,7 @@ def kernel_path(dtype, hidden: int, mix_rows: int) -> backend.Path:
     return backend.Path.reference(why) if why else backend.Path(True, "pallas mHC pass")
 
 
-def coefficients(m: jnp.ndarray, site: dict, *, hc: int, hc_eps: float, iters: int) -> HcMix:
+def _coefficients(m: jnp.ndarray, site: dict, *, hc: int, hc_eps: float, iters: int) -> HcMix:
     """A site's mix coefficients from its projection ``m [T, (2 + hc) hc]``: sigmoid pre, 2-sigmoid post,
     and the Sinkhorn-balanced softmax of the stream-to-stream mix."""
     t = m.shape[0]
@@ -87,5 +87,5 @@ def mhc_step(residual: jnp.ndarray, update: Update | None, site: dict | None, pr
         residual, collapsed, m = mhc_pass(residual, update, prev_pre, fn, eps=eps, interpret=backend.interpreting())
     else:
         residual, collapsed, m = mhc_pass_reference(residual, update, prev_pre, fn, eps=eps)
-    mix = None if site is None else coefficients(m, site, hc=residual.shape[1], hc_eps=hc_eps, iters=iters)
+    mix = None if site is None else _coefficients(m, site, hc=residual.shape[1], hc_eps=hc_eps, iters=iters)
     return residual, rms_norm(collapsed, norm_weight, eps), mix
