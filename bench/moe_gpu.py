@@ -10,15 +10,17 @@ kernel; best of a few block configs, each recorded, swapped-tile ones up to 256 
 expert, persistent ones from 128), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
-einsum) and ``torch_grouped_mm``. Roofline: max(FLOPs / measured matmul rate, bytes / measured
+einsum), ``torch_grouped_mm`` and ``sglang_triton`` (SGLang's Triton fused MoE from its wheel,
+``sglang_moe``: its own config pick and the nearest tuned one, in a CUDA graph). Roofline: max(FLOPs / measured matmul rate, bytes / measured
 copy bandwidth), bytes = weights + rows in + rows out.
 
 Up to 256 rows per expert, ``T…_fp8w`` cases also run the kernels on fp8 e4m3 weights with
 128 x 128 block scales (dequantised in-kernel), checked against the fp32 reference on the
 dequantised weights, against their own roofline (half the weight bytes); ``T…_mxfp4w`` cases
 the same with MXFP4 weights (e2m1, a UE8M0 scale per 32: V4.1's expert format; a quarter of
-the bytes and 1/32 more). No peer here takes block-scaled fp8 or MXFP4 grouped weights on
-Hopper (GPU_KERNELS.md §5), so those rows have none.
+the bytes and 1/32 more). ``T…_w8a8`` cases have SGLang's Triton W8A8 block-fp8 as their peer
+(checked against a reference with its own absmax / 448 row scales); no peer here takes fp8
+weights with bf16 rows, or MXFP4, on Hopper (GPU_KERNELS.md §5), so those rows have none.
 
 ``--shared 16,256``: those sizes also run with the shared expert, its T rows (one per token)
 as a 7th group: ``megajax_fused_shared`` is the model's form (routed stacks plus the shared
@@ -182,11 +184,12 @@ def counts_for(t: int, routing: str) -> np.ndarray:
 
 
 def absmax_rounded(x):
-    """``x`` rounded as SGLang's W8A8 quantises rows: e4m3 with a scale of absmax / 448 per 128 columns."""
+    """``x`` rounded as SGLang's W8A8 quantises rows: e4m3 with a scale of absmax / 448 per 128
+    columns; fp32 (such scales leave the bf16 grid)."""
     m, k = x.shape
     blocks = x.astype(jnp.float32).reshape(m, k // 128, 128)
     scale = jnp.maximum(jnp.abs(blocks).max(axis=-1, keepdims=True), 1e-10) / 448.0
-    return (e4m3_rounded(blocks / scale) * scale).reshape(m, k).astype(x.dtype)
+    return (e4m3_rounded(blocks / scale) * scale).reshape(m, k)
 
 
 ROW_ROUNDING = {"bf16": lambda v: v, "w8a8": Fp8Rows.rounded, "w8a8_absmax": absmax_rounded}
@@ -342,7 +345,8 @@ def cuda_graph(call):
             call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # (JAX's threads may touch CUDA meanwhile)
         out = call()
 
     def replay():

@@ -3,10 +3,14 @@
 What an SGLang user runs for a DeepSeek MoE layer on Hopper without DeepGEMM: ``fused_experts``'s
 two ``fused_moe_kernel`` launches (gate/up, then down with the routing weights) around
 ``act_and_mul_triton``, in bf16 or W8A8 block-fp8 (activations quantised per token per 128
-columns inside each launch's call). Those modules are loaded from the wheel's files as they are;
-only what they import from the rest of SGLang (its CUDA extension ``sgl_kernel``, DeepGEMM, the
-server's arguments) is replaced by the small stand-ins below, so that no line of the kernels or
-their launch code is ours. Three substitutions, each stated in the results:
+columns inside each launch's call, so inside the timed call, where ours take rows already
+quantised, as the dispatch writes them). The kernels' module and its launch wrapper
+(``invoke_fused_moe_kernel``) are loaded from the wheel's files as they are; only what they
+import from the rest of SGLang (its CUDA extension ``sgl_kernel``, DeepGEMM, the server's
+arguments) is replaced by the small stand-ins below. ``fused_experts`` here is
+``fused_experts_impl``'s sequence of those calls for rows already routed (one expert a row, so
+top-k 1 and no sum; its config looked up with M = the rows). Three substitutions, each stated
+in the results:
 
 - ``moe_align_block_size`` (``sgl_kernel``'s CUDA op) is computed here in torch, before timing;
 - the activations' per-token-group fp8 quantiser is SGLang's own Triton one
@@ -97,8 +101,8 @@ def load() -> types.SimpleNamespace:
     config = _load("sglang.srt.layers.moe.fused_moe_triton.fused_moe_triton_config",
                    moe_dir / "fused_moe_triton_config.py")
     logging.getLogger(config.__name__).setLevel(logging.ERROR)
-    version = next((p.name.split("-")[1] for p in root.parent.glob("sglang-*.dist-info")), "unknown")
-    _LOADED["sgl"] = types.SimpleNamespace(kernels=kernels, config=config, fp8=fp8, version=version,
+    from importlib.metadata import version
+    _LOADED["sgl"] = types.SimpleNamespace(kernels=kernels, config=config, fp8=fp8, version=version("sglang"),
                                            config_dir=moe_dir / "configs")
     return _LOADED["sgl"]
 
@@ -151,7 +155,7 @@ def _nearest_file(experts: int, n: int, dtype, block):
     for path in sorted(sgl.config_dir.glob(f"*/E=*{glob.escape(suffix)}.json")):
         e, nn = (int(part.split("=")[1]) for part in path.name.split(",")[:2])
         distance = abs(math.log(e / experts)) + abs(math.log(nn / n))
-        if best is None or distance < best[0]:
+        if best is None or distance <= best[0]:   # (directories by Triton version, ascending: the newest wins)
             best = (distance, path)
     return best[1] if best else None
 

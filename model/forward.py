@@ -188,7 +188,8 @@ def _attention_site(lp: dict, cfg: ModelConfig, i: int, f: Flow, forced):
     """[Engram] and the attention sublayer of layer ``i``: ``(flow, output, the site's mix)``."""
     residual, update = f.residual, f.update
     if f.taps is not None and i in cfg.dspark_target_layer_ids:   # before Engram (targets have none)
-        f = f._replace(taps=f.taps + (hc_expand(residual, update).astype(jnp.float32).mean(1).astype(residual.dtype),))
+        residual, update = hc_expand(residual, update), None   # (expanded once: the site's pass then has none)
+        f = f._replace(taps=f.taps + (residual.astype(jnp.float32).mean(1).astype(residual.dtype),))
     if i in cfg.engram_layer_ids:
         hash_ids = f.hash_rows[:, cfg.engram_layer_ids.index(i)]
         residual, update = hc_expand(residual, update), None

@@ -74,6 +74,9 @@ def mhc_pass(streams, update, pre, fn, *, eps: float, interpret: bool = False):
 
         def column(ref, i):   # a per-row coefficient, [BLOCK_T, 1]
             return plt.load(ref.at[rows, pl.ds(i, 1)], mask=ok, other=0.0)
+        pre = [column(pre_ref, k) for k in range(hc)]   # (loaded once, not per chunk)
+        post = [column(post_ref, k) for k in range(hc)] if expand else None
+        comb = [column(comb_ref, i) for i in range(hc * hc)] if expand else None
 
         def one_chunk(j, sums):
             d0 = (part * walk + j) * BLOCK_D
@@ -85,16 +88,16 @@ def mhc_pass(streams, update, pre, fn, *, eps: float, interpret: bool = False):
                 y = plt.load(y_ref.at[rows, pl.ds(d0, BLOCK_D)], mask=ok, other=0).astype(jnp.float32)
                 new = []
                 for k in range(hc):
-                    mixed = column(comb_ref, k) * h[0]
+                    mixed = comb[k] * h[0]
                     for i in range(1, hc):
-                        mixed = mixed + column(comb_ref, i * hc + k) * h[i]
-                    v = (column(post_ref, k) * y + mixed).astype(dtype)
+                        mixed = mixed + comb[i * hc + k] * h[i]
+                    v = (post[k] * y + mixed).astype(dtype)
                     plt.store(hnew_ref.at[rows, at(k)], v, mask=ok)
                     new.append(v.astype(jnp.float32))
                 h = new
-            c = column(pre_ref, 0) * h[0]
+            c = pre[0] * h[0]
             for k in range(1, hc):
-                c = c + column(pre_ref, k) * h[k]
+                c = c + pre[k] * h[k]
             plt.store(c_ref.at[rows, pl.ds(d0, BLOCK_D)], c.astype(dtype), mask=ok)
             if not mix:
                 return sums
