@@ -11,8 +11,9 @@ expert, persistent ones from 128), ``xla_einsum`` (dense batched matmul
 over rows padded to the largest expert), ``pallas_ragged_dot_mgpu``
 (JAX's grouped GEMM, gate+up as one GEMM, SwiGLU in XLA), ``torch_bmm`` (padded like the
 einsum), ``torch_grouped_mm`` and ``sglang_triton`` (SGLang's Triton fused MoE from its wheel,
-``sglang_moe``: its own config pick and the nearest tuned one, in a CUDA graph). Roofline: max(FLOPs / measured matmul rate, bytes / measured
-copy bandwidth), bytes = weights + rows in + rows out.
+``sglang_moe``: its own config pick and the nearest tuned one, in a CUDA graph). Roofline:
+max(FLOPs / measured matmul rate, bytes / measured copy bandwidth), bytes = weights + rows in +
+rows out.
 
 Up to 256 rows per expert, ``T…_fp8w`` cases also run the kernels on fp8 e4m3 weights with
 128 x 128 block scales (dequantised in-kernel), checked against the fp32 reference on the
