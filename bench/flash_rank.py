@@ -113,7 +113,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
     the kernels do not batch requests over shared pages)."""
     import jax
 
-    from model.state import Fp8Ring, pool_row_bytes
+    from model.state import pool_row_bytes
 
     def nbytes(tree):
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
@@ -127,9 +127,8 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
     weights += rows * h * embed.dtype.itemsize + lookups
     draft = (nbytes(params.get("mtp", {})) + shape.drafts * nbytes(params["lm_head"])) if shape.drafts else 0
 
-    ring = state.window[0]
-    win_item = (ring.values if isinstance(ring, Fp8Ring) else ring).dtype.itemsize
-    comp_item, idx_row = state.comp_kv[0].dtype.itemsize, pool_row_bytes(state.index_k[0])
+    win_row = sum(a.shape[-1] * a.dtype.itemsize for a in jax.tree.leaves(state.window[0]))   # values, scales
+    comp_row, idx_row = pool_row_bytes(state.comp_kv[0]), pool_row_bytes(state.index_k[0])
     ctx, kv, idx, attn_flops, idx_flops = shape.context, 0, 0, 0, 0
     per_entry = 2 * 2 * cfg.num_attention_heads * cfg.head_dim   # QK and PV over one entry, one row
     # a request's reads, each entry once: its window and new rows; of a compressed pool, the entries
@@ -138,7 +137,7 @@ def step_cost(cfg, params: dict, state, shape: StepShape) -> dict:
     for i, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
         pool = ctx // r if r else 0
         selected = min(pool, cfg.index_topk) if shape.rows <= 6 else pool
-        kv += min(ctx, cfg.sliding_window + shape.rows - 1) * cfg.head_dim * win_item + selected * cfg.head_dim * comp_item
+        kv += min(ctx, cfg.sliding_window + shape.rows - 1) * win_row + selected * comp_row
         attn_flops += rows * (min(cfg.sliding_window, ctx) + min(pool, cfg.index_topk)) * per_entry
         if i in cfg.index_source_layer_ids:
             keys = pool if i in cfg.kv_source_layer_ids else min(pool, cfg.candidate_topk_blocks

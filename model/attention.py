@@ -6,7 +6,8 @@ Per layer (MODEL_SPEC §3.6-3.8):
   the window ring and serves the window keys of the step's own queries.
 * KV sources pool their tokens into compressed entries (ratio 2: per-channel softmax gate
   over a token pair, with the pending tail carried in the state; ratio 1: one entry per
-  token), publish indexer keys from the pre-RoPE latent, and store ``NVFP4(RoPE(latent))``.
+  token), publish indexer keys from the pre-RoPE latent, and store ``NVFP4(RoPE(latent))``
+  (its records, or its values: ``model.state``).
 * Index sources score every visible entry of their KV source, the candidate source
   publishes its block mask, and the top-k choice (as pool rows) serves every layer up to
   the next index source.
@@ -32,7 +33,7 @@ from model.batch import StepInfo
 from model.config import ModelConfig
 from model.rope import cos_sin, inv_freq
 from model.state import Fp8Ring, ModelState, entry_rows
-from pallas_kernels.block_scaled import Fp4Keys
+from pallas_kernels.block_scaled import Fp4Keys, Fp4Rows, Nvfp4Rows
 
 
 class Published(NamedTuple):
@@ -46,7 +47,7 @@ class Published(NamedTuple):
 
 
 class SourceUpdate(NamedTuple):
-    comp_kv: jnp.ndarray
+    comp_kv: Nvfp4Rows | jnp.ndarray
     index_k: Fp4Keys | jnp.ndarray
     tail_kv: jnp.ndarray
     tail_gate: jnp.ndarray
@@ -54,6 +55,14 @@ class SourceUpdate(NamedTuple):
 
 def _drop_rows(rows: jnp.ndarray, keep: jnp.ndarray, n_rows: int) -> jnp.ndarray:
     return jnp.where(keep, rows, n_rows)  # out of range: dropped by scatter mode="drop"
+
+
+def _store(pool, rows: jnp.ndarray, x: jnp.ndarray):
+    """``x`` into a pool's ``rows`` (out of range: dropped): as its FP4 records (``Fp4Rows``
+    quantise), or as values in its dtype."""
+    if isinstance(pool, Fp4Rows):
+        return pool.set_rows(rows, x)
+    return pool.at[rows].set(x.astype(pool.dtype), mode="drop")
 
 
 @jax.named_scope("compressor")  # prefixes its ops' names in HLO dumps and XProf
@@ -161,12 +170,12 @@ def attention_sublayer(x: jnp.ndarray, p: dict, layer: int, cfg: ModelConfig, in
             fresh = completes & (info.pos >= info.cached)  # replayed tokens keep their cached entries
             rows = _drop_rows(entry_rows(state, ratio, info.slot, entry), fresh, pool_kv.shape[0])
             entry_pos = entry * ratio
-            keys = index_keys(latent, p["indexer"], entry_pos, cfg)
-            pool_k = (pool_k.set_rows(rows, keys) if isinstance(pool_k, Fp4Keys)
-                      else pool_k.at[rows].set(keys.astype(pool_k.dtype), mode="drop"))
+            pool_k = _store(pool_k, rows, index_keys(latent, p["indexer"], entry_pos, cfg))
             c_cos, c_sin = _compress_rope(cfg, entry_pos)
-            comp = quant.nvfp4_block16(apply_rope(latent, c_cos, c_sin))
-            pool_kv = pool_kv.at[rows].set(comp.astype(pool_kv.dtype), mode="drop")
+            rotated = apply_rope(latent, c_cos, c_sin)
+            # a stored pool quantises the rotated latent itself: re-quantising NVFP4 values is not
+            # exact where their block scale is subnormal in e4m3
+            pool_kv = _store(pool_kv, rows, rotated if isinstance(pool_kv, Fp4Rows) else quant.nvfp4_block16(rotated))
             update = SourceUpdate(pool_kv, pool_k, tail_kv, tail_gate)
         if layer in cfg.index_source_layer_ids:
             published = _index(x, r, p["indexer"], layer, ratio, pool_k, cfg, info, state, published, forced)

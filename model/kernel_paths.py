@@ -20,11 +20,12 @@ from pallas_kernels.block_scaled import stored_kind
 
 
 def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slot_tokens: int,
-                 window_fp8: bool = False) -> dict[str, str]:
+                 quantized_kv: bool = False) -> dict[str, str]:
     """``{operator: path}`` for steps of each of ``step_tokens`` tokens (the engine's buckets),
-    with ``slot_tokens`` tokens of cache a request."""
+    with ``slot_tokens`` tokens of cache a request and the KV state stored as ``quantized_kv`` says
+    (``model.state.init_state``)."""
     dtype = state_dtype(params)
-    pools = [jnp.float8_e4m3fn if window_fp8 else dtype] + [dtype] * bool(cfg.kv_source_layer_ids)
+    pools = (["fp8", "nvfp4"] if quantized_kv else [jnp.dtype(dtype).name] * 2)[:1 + bool(cfg.kv_source_layer_ids)]
     out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
     exact = quant.fp4_block32_active(cfg.index_head_dim)
     keys = stored_kind(index_pool(cfg, 1, dtype))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.block_scaled import (FP4_MAX, FP8_MAX, e2m1_round, e2m1_value, mxfp4_parts, pow2_from_exponent,
-                                        pow2_scale, ue8m0)
+from pallas_kernels.block_scaled import (FP8_MAX, NVFP4_BLOCK, e2m1_value, mxfp4_parts, nvfp4_parts,
+                                        pow2_from_exponent, pow2_scale, ue8m0)
 from pallas_kernels.qat import straight_through
 
 def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
@@ -63,10 +63,7 @@ def fp4_block32(x: jnp.ndarray) -> jnp.ndarray:
 @straight_through
 def nvfp4_block16(x: jnp.ndarray) -> jnp.ndarray:
     """Compressed-KV quantiser: e2m1 with one e4m3 scale per 16 channels."""
-    if x.shape[-1] % 16:
+    if x.shape[-1] % NVFP4_BLOCK:
         return x
-    b = _blocks(x, 16)
-    amax = jnp.maximum(jnp.abs(b).max(-1, keepdims=True), FP4_MAX * 2.0**-9)
-    scale = (amax / FP4_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    q = e2m1_round(jnp.clip(b / scale, -FP4_MAX, FP4_MAX))
-    return (q * scale).reshape(x.shape).astype(x.dtype)
+    codes, scale = nvfp4_parts(x)
+    return (e2m1_value(codes) * jnp.repeat(scale, NVFP4_BLOCK, axis=-1)).astype(x.dtype)

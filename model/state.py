@@ -3,10 +3,7 @@
 The state holds ``B`` request slots. Per layer kind:
 
 * every backbone layer: a window ring ``[B, W, head_dim]``; the key at position ``p``
-  lives in slot ``p % W``. With ``window_fp8`` the ring keeps the window-KV quantiser's
-  stored form instead (``Fp8Ring``: e4m3 values and UE8M0 scale bytes, 528 bytes a row at
-  head_dim 512 against 1 KB in bf16), which the fp8 path of the attention kernel reads;
-  the values it yields are the same, since the model fake-quantises the window KV anyway;
+  lives in slot ``p % W``;
 * every KV source: a pool of compressed-KV rows and one of indexer-key rows, addressed
   through the page table (prefix-cacheable, so paged), and for ratio > 1 the pending
   group tail ``(k, gate)`` of up to ``ratio - 1`` projected tokens, in a ring of
@@ -33,9 +30,14 @@ gives each slot its own contiguous pages; the engine will hand pages out itself.
 The rings and the compressed-KV pools take the model's activation ``dtype``
 (``state_dtype(params)``): they hold fake-quantised values (FP8 and NVFP4 grids), which bf16
 represents exactly, so a bf16 model keeps its KV in bf16 (half the bytes of fp32, and the dtype
-the attention kernel reads). The indexer keys are stored as the FP4 records they are
-(``Fp4Keys``, 68 bytes a 128-channel row), which give back the same values; where the FP4
-quantiser passes them through (``index_head_dim`` not in 32s), as ``dtype`` values.
+the attention kernel reads), and training differentiates through them. With ``quantized_kv``
+(the server's ``--kv-cache-dtype fp8_e4m3``) they keep the quantisers' stored forms instead,
+which MegaAttention reads directly: a ring is an ``Fp8Ring`` (e4m3 values and UE8M0 scale
+bytes, 528 bytes a row at head_dim 512 against 1,024 in bf16) and a compressed pool
+``Nvfp4Rows`` (288 bytes a row); the values they give back are the same, bit for bit. The
+indexer keys are always stored as the FP4 records they are (``Fp4Keys``, 68 bytes a 128-channel
+row); where the FP4 quantiser passes them through (``index_head_dim`` not in 32s), as ``dtype``
+values.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 from model import quant
 from model.config import ModelConfig
 from model.engram_hash import DEAD
-from pallas_kernels.block_scaled import Fp4Keys
+from pallas_kernels.block_scaled import Fp4Keys, Nvfp4Rows
 
 
 class Fp8Ring(NamedTuple):
@@ -68,7 +70,7 @@ class Fp8Ring(NamedTuple):
 class ModelState:
     seq_lens: jnp.ndarray  # int32 [B]
     window: tuple  # per backbone layer: [B, ring_rows, head_dim], or an Fp8Ring
-    comp_kv: tuple  # per KV source: [pages * page_size // ratio, head_dim]
+    comp_kv: tuple  # per KV source: pages * page_size // ratio rows (comp_pool: Nvfp4Rows, or dtype values)
     index_k: tuple  # per KV source: pages * page_size // ratio rows (index_pool: Fp4Keys, or dtype values)
     tail_kv: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
     tail_gate: tuple  # per KV source: [B, tail_groups, ratio - 1, head_dim] fp32
@@ -111,7 +113,7 @@ def tail_groups(ratio: int, spec_tokens: int) -> int:
 
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int = 64,
-               dtype=jnp.float32, window_fp8: bool = False, spec_tokens: int = 0,
+               dtype=jnp.float32, quantized_kv: bool = False, spec_tokens: int = 0,
                expert_load: bool = False, num_pages: int | None = None) -> ModelState:
     """``num_pages``: the pools' pages (default: each slot its own ``max_len`` worth, in order)."""
     ratios = [cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]
@@ -120,11 +122,11 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
     pages = -(-max_len // page_size)
     n_pages = batch_size * pages if num_pages is None else num_pages
     w, hd = cfg.sliding_window + spec_tokens, cfg.head_dim
-    if window_fp8 and hd % 32:
-        raise ValueError(f"window_fp8 needs head_dim divisible by the 32-channel scale block, got {hd}")
+    if quantized_kv and hd % 32:
+        raise ValueError(f"quantized_kv needs head_dim divisible by the 32-channel scale block, got {hd}")
 
     def ring():
-        if window_fp8:
+        if quantized_kv:
             return Fp8Ring(jnp.zeros((batch_size, w, hd), jnp.float8_e4m3fn),
                            jnp.full((batch_size, w, hd // 32), 127, jnp.uint8))   # scale 1
         return jnp.zeros((batch_size, w, hd), dtype)
@@ -132,7 +134,7 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
     return ModelState(
         seq_lens=jnp.zeros((batch_size,), jnp.int32),
         window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
-        comp_kv=tuple(comp_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
+        comp_kv=tuple(comp_pool(cfg, n_pages * page_size // r, dtype, quantized_kv) for r in ratios),
         index_k=tuple(index_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
         tail_kv=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32) for r in ratios),
         tail_gate=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32)
@@ -149,8 +151,11 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
     )
 
 
-def comp_pool(cfg: ModelConfig, rows: int, dtype) -> jnp.ndarray:
-    """A compressed-KV pool of ``rows`` rows: the NVFP4-quantised values in ``dtype``."""
+def comp_pool(cfg: ModelConfig, rows: int, dtype, quantized: bool = False):
+    """A compressed-KV pool of ``rows`` rows: the NVFP4 records (``Nvfp4Rows``) when ``quantized``,
+    else the NVFP4-quantised values in ``dtype``."""
+    if quantized:
+        return Nvfp4Rows.zeros(rows, cfg.head_dim)
     return jnp.zeros((rows, cfg.head_dim), dtype)
 
 

@@ -9,7 +9,9 @@ and the kernels all read and write these; nothing here is kernel code.
 * FP8 activation rows, one scale per row per 128 columns (the W8A8 kernels' input):
   ``Fp8Rows``.
 * FP8 KV rows, one UE8M0 scale per 32 channels (the window KV, MODEL_SPEC §3.5): ``Fp8Pool``.
-* FP4 rows, one UE8M0 scale per 32 channels, as stored (the indexer's keys): ``Fp4Keys``.
+* FP4 rows as pools store them (``Fp4Rows``): one UE8M0 scale per 32 channels (the indexer's
+  keys, ``Fp4Keys``), or NVFP4, one e4m3 scale per 16 (the compressed KV, ``Nvfp4Rows``); a
+  pool of the latter read by MegaAttention is an ``Nvfp4Pool``.
 
 The scale rule (``scale_exponent``): a block's scale is the smallest power of two ``2**e`` with
 ``amax / 2**e <= `` the format's largest value, ``e`` computed from the IEEE bits, so XLA, the
@@ -118,11 +120,6 @@ def e2m1_scaled(code: jax.Array, exponent: jax.Array) -> jax.Array:
     bits = ((exponent - 1) << 23) + jnp.where(em >= 2, em << 22, 0)
     bits = jnp.where(em == 0, 0, bits) | ((code & 8) << 28)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def e2m1_round(q: jnp.ndarray) -> jnp.ndarray:
-    """Round pre-clamped float32 values to the e2m1 grid, ties to even."""
-    return e2m1_value(e2m1_code(q))
 
 
 def mxfp4_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -315,15 +312,64 @@ class Fp8Pool(NamedTuple):
     idx: jax.Array
 
 
-class Fp4Keys(NamedTuple):
-    """Rows of FP4 block-32 values as a pool stores them (MODEL_SPEC §3.5's indexer keys; 68
-    bytes a row at 128 channels, against 256 in bf16): ``codes [..., d / 2]`` uint8, byte ``j``
-    holding channel ``j``'s e2m1 code in its low nibble and channel ``j + d / 2``'s in its high,
-    so that each half of the channels is one contiguous slice of bytes; ``scale [..., d / 32]``
-    uint8 UE8M0 exponents. Storing a row already on the grid (``model.quant.fp4_block32``'s
-    output) loses nothing: its values come back bit for bit."""
+class Nvfp4Pool(NamedTuple):
+    """An NVFP4 KV pool (MODEL_SPEC §3.5's compressed KV) as MegaAttention reads it: row ``r`` of
+    K = V is ``Nvfp4Rows(codes, scale)``'s row ``r``; ``codes`` [N, D / 2] uint8, ``scale``
+    [N, D / 16] float8_e4m3fn, ``idx`` [T, S] int32 in [-1, N)."""
     codes: jax.Array
     scale: jax.Array
+    idx: jax.Array
+
+
+def pack_halves(codes: jax.Array, parts: int = 1) -> jax.Array:
+    """e2m1 codes ``[..., d]`` -> bytes ``[..., d / 2]``: the channels cut into ``parts`` equal
+    slices, each packed as its first half's codes in the low nibbles and its second half's in the
+    high ones, so that every slice is one contiguous run of bytes and a kernel decodes each nibble
+    into a contiguous run of channels (no interleave)."""
+    *lead, d = codes.shape
+    c = (codes.astype(jnp.int32) & 15).reshape(*lead, parts, 2, d // (2 * parts))
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).astype(jnp.uint8).reshape(*lead, d // 2)
+
+
+def unpack_halves(packed: jax.Array, parts: int = 1) -> jax.Array:
+    """The inverse of ``pack_halves``: int32 codes ``[..., 2 n]``."""
+    *lead, n = packed.shape
+    b = packed.astype(jnp.int32).reshape(*lead, parts, 1, n // parts)
+    return jnp.concatenate([b & 15, b >> 4], axis=-2).reshape(*lead, 2 * n)
+
+
+class Fp4Rows(NamedTuple):
+    """Rows of block-scaled FP4 as a pool stores them: ``codes [..., d / 2]`` uint8
+    (``pack_halves`` in ``PARTS`` slices) and one scale per ``BLOCK`` channels, ``scale``.
+    The formats subclass it (``Fp4Keys``, ``Nvfp4Rows``)."""
+    codes: jax.Array
+    scale: jax.Array
+
+    def scale_values(self) -> jax.Array:
+        raise NotImplementedError
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:
+        values = e2m1_value(unpack_halves(self.codes, self.PARTS))
+        return (values * jnp.repeat(self.scale_values(), self.BLOCK, axis=-1)).astype(dtype)
+
+    def at_rows(self, rows: jax.Array):
+        return type(self)(self.codes[rows], self.scale[rows])
+
+    def set_rows(self, rows: jax.Array, x: jax.Array):
+        """``x`` ([n, d]) quantised (``from_float``) and stored at ``rows`` (out of range: dropped)."""
+        new = self.from_float(x)
+        return type(self)(self.codes.at[rows].set(new.codes, mode="drop"),
+                          self.scale.at[rows].set(new.scale, mode="drop"))
+
+
+class Fp4Keys(Fp4Rows):
+    """Rows of FP4 block-32 values (MODEL_SPEC §3.5's indexer keys; 68 bytes a row at 128
+    channels, against 256 in bf16): byte ``j`` of ``codes`` holds channel ``j``'s e2m1 code in its
+    low nibble and channel ``j + d / 2``'s in its high (``pack_halves``, one slice); ``scale
+    [..., d / 32]`` uint8 UE8M0 exponents. Storing a row already on the grid
+    (``model.quant.fp4_block32``'s output) loses nothing: its values come back bit for bit."""
+    __slots__ = ()
+    PARTS, BLOCK = 1, BLOCK
 
     @classmethod
     def zeros(cls, rows: int, width: int) -> "Fp4Keys":
@@ -332,27 +378,65 @@ class Fp4Keys(NamedTuple):
     @classmethod
     def from_float(cls, x: jax.Array) -> "Fp4Keys":
         codes, exponents = mxfp4_parts(x)
-        half = x.shape[-1] // 2
-        packed = (codes[..., :half] & 15) | ((codes[..., half:] & 15) << 4)
-        return cls(packed.astype(jnp.uint8), exponents.astype(jnp.uint8))
+        return cls(pack_halves(codes), exponents.astype(jnp.uint8))
 
-    def dequantized(self, dtype=jnp.float32) -> jax.Array:
-        c = self.codes.astype(jnp.int32)
-        values = e2m1_value(jnp.concatenate([c & 15, c >> 4], axis=-1))
-        return (values * jnp.repeat(pow2_from_exponent(self.scale), BLOCK, axis=-1)).astype(dtype)
+    def scale_values(self) -> jax.Array:
+        return pow2_from_exponent(self.scale)
 
-    def at_rows(self, rows: jax.Array) -> "Fp4Keys":
-        return Fp4Keys(self.codes[rows], self.scale[rows])
 
-    def set_rows(self, rows: jax.Array, x: jax.Array) -> "Fp4Keys":
-        """``x`` ([n, d] values on the FP4 grid) stored at ``rows`` (out of range: dropped)."""
-        new = Fp4Keys.from_float(x)
-        return Fp4Keys(self.codes.at[rows].set(new.codes, mode="drop"), self.scale.at[rows].set(new.scale, mode="drop"))
+NVFP4_BLOCK = 16   # NVFP4: values per e4m3 scale
+
+
+def nvfp4_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 quantisation of ``[..., K]`` (K % 16 == 0; MODEL_SPEC §3.5's compressed-KV rule):
+    int32 e2m1 codes and each 16-block's scale ``e4m3(max(amax, 6 * 2^-9) / 6)`` as float32."""
+    *lead, k = x.shape
+    b = x.astype(jnp.float32).reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    scale = e4m3_rounded(jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -9) / FP4_MAX)
+    codes = e2m1_code(jnp.clip(b / scale[..., None], -FP4_MAX, FP4_MAX)).reshape(x.shape)
+    return codes, scale
+
+
+class Nvfp4Rows(Fp4Rows):
+    """Rows of NVFP4 values (MODEL_SPEC §3.5's compressed KV: 288 bytes a 512-channel row, the
+    256 + 32 of vLLM's and SGLang's records, against 1,024 in bf16): ``codes [..., d / 2]`` uint8
+    packed in two slices (``pack_halves``: each half of the channels, which one compute warpgroup
+    of MegaAttention owns, is one run of bytes); ``scale [..., d / 16]`` float8_e4m3fn. The values
+    come back as ``model.quant.nvfp4_block16`` gives them, bit for bit."""
+    __slots__ = ()
+    PARTS, BLOCK = 2, NVFP4_BLOCK
+
+    @classmethod
+    def zeros(cls, rows: int, width: int) -> "Nvfp4Rows":
+        return cls(jnp.zeros((rows, width // 2), jnp.uint8), jnp.zeros((rows, width // NVFP4_BLOCK), jnp.float8_e4m3fn))
+
+    @classmethod
+    def from_float(cls, x: jax.Array) -> "Nvfp4Rows":
+        if x.shape[-1] % (2 * NVFP4_BLOCK):
+            raise ValueError(f"NVFP4 rows need channels in 32s (two halves of whole blocks), got {x.shape}")
+        codes, scale = nvfp4_parts(x)
+        return cls(pack_halves(codes, cls.PARTS), scale.astype(jnp.float8_e4m3fn))
+
+    def scale_values(self) -> jax.Array:
+        return self.scale.astype(jnp.float32)
+
+
+def e4m3_from_bits(b: jax.Array) -> jax.Array:
+    """float32 values of e4m3fn bytes held as int32 (no NaN), from the IEEE bits, for kernels
+    that hold the bytes as integers: ``2^(E - 7) (1 + m/8)``, or ``2^-6 m/8`` for E = 0 (the
+    E = 1 value less 2^-6)."""
+    e, m = (b >> 3) & 15, b & 7
+    v = jax.lax.bitcast_convert_type(((jnp.maximum(e, 1) + 120) << 23) | (m << 20), jnp.float32)
+    v = jnp.where(e == 0, v - 2.0 ** -6, v)
+    return jnp.where((b & 128) != 0, -v, v)
 
 
 def stored_kind(pool) -> str:
-    """How a pool stores its rows: ``"fp4"`` (``Fp4Keys``) or its dtype's name."""
-    return "fp4" if isinstance(pool, Fp4Keys) else jnp.dtype(pool.dtype).name
+    """How a pool stores its rows: ``"fp4"`` (``Fp4Keys``), ``"nvfp4"`` (``Nvfp4Rows``) or its
+    dtype's name."""
+    if isinstance(pool, Fp4Rows):
+        return "fp4" if isinstance(pool, Fp4Keys) else "nvfp4"
+    return jnp.dtype(pool.dtype).name
 
 
 def dequantize_fp8(kv, scale):

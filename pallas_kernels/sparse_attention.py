@@ -14,6 +14,8 @@ registers); ``pools`` a sequence of
   * fp8 pools ``Fp8Pool(kv, scale, idx)`` (or the plain tuple ``(kv, scale, idx)``): ``kv``
     [N, D] float8_e4m3fn, ``scale`` [N, D // 32] uint8 UE8M0 exponents (the scale is
     2^(e - 127); ``block_scaled.ue8m0`` converts power-of-two fp32 scales);
+  * NVFP4 pools ``Nvfp4Pool(codes, scale, idx)`` (``block_scaled.Nvfp4Rows``' records; D % 256
+    == 0): ``codes`` [N, D // 2] uint8, ``scale`` [N, D // 16] float8_e4m3fn;
 each with ``idx`` [T, S] int32, entries in [-1, N) (masked slots fetch row 0, which keeps
 P @ V finite: 0 * garbage could be NaN); ``sink`` [H] finite. Pools may mix kinds in any order.
 Tuning and launch: ``sparse_attention_tiles``.
@@ -45,6 +47,10 @@ Design: one CTA item per (query token, group of 64 heads[, key split]); three wa
   D/32 scale bytes). Each compute warpgroup dequantises its half in place before its QK^T
   (e4m3 times 2^(e - 127) is exact in bf16), so an fp8 pool gives bitwise the result of the
   bf16 pool of its dequantised values, for D + D/32 gathered bytes a row instead of 2 D.
+* NVFP4 pools (V4.1's compressed KV) take the same view: a half's D/4 code bytes (channel j of
+  the half in the low nibble, j + D/4 in the high, so each nibble decodes to a contiguous run)
+  and its D/32 e4m3 scale bytes in the padding; the compute warpgroup builds each e2m1 value and
+  scale from their bits (e2m1 times e4m3 is exact in bf16): D/2 + D/16 bytes a row.
 * Small batches (flash-decoding): ``splits`` CTAs share a query's chunks, each starting from
   an empty softmax (split 0 from the sink) and writing its normalised partial with its running
   max and sum; an XLA pass weights and sums them.
@@ -87,7 +93,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from pallas_kernels.block_scaled import dequantize_fp8, pow2_from_exponent
+from pallas_kernels.block_scaled import (NVFP4_BLOCK, Nvfp4Pool, Nvfp4Rows, dequantize_fp8, e2m1_scaled,
+                                        e4m3_from_bits, pow2_from_exponent)
 from pallas_kernels.compat import transposed
 from pallas_kernels.sparse_attention_tiles import HEADS, TUNING, launch
 
@@ -127,42 +134,67 @@ class Fp8View(NamedTuple):
         return view
 
 
-def _split_pool(pool):
-    """``(kv, idx)`` -> ``(kv, None, idx)``; ``(kv, scale, idx)`` / ``Fp8Pool`` as is."""
+BF16, FP8, NVFP4 = "bfloat16", "fp8", "nvfp4"   # pool kinds
+
+
+class Pool(NamedTuple):
+    kind: str
+    kv: jax.Array            # values (bf16, e4m3) or NVFP4 code bytes
+    scale: jax.Array | None  # UE8M0 bytes (fp8) or e4m3 scales (NVFP4)
+    idx: jax.Array
+
+
+def _split_pool(pool) -> Pool:
+    """``(kv, idx)``, ``Fp8Pool`` / ``(kv, scale, idx)`` or ``Nvfp4Pool`` as a ``Pool``."""
+    if isinstance(pool, Nvfp4Pool):
+        return Pool(NVFP4, *pool)
     if len(pool) == 2:
-        return pool[0], None, pool[1]
+        return Pool(BF16, pool[0], None, pool[1])
     if len(pool) == 3:
-        return tuple(pool)
-    raise ValueError(f"a pool is (kv, idx) or (kv_fp8, kv_scale, idx), got {len(pool)} arrays")
+        return Pool(FP8, *pool)
+    raise ValueError(f"a pool is (kv, idx), (kv_fp8, kv_scale, idx) or an Nvfp4Pool, got {len(pool)} arrays")
 
 
-def _pad_pools(pools, block):
+def pool_kind(pool) -> str:
+    """``"fp8"``, ``"nvfp4"``, or a plain pool's dtype name (the kernel's: ``"bfloat16"``)."""
+    p = _split_pool(pool)
+    return jnp.dtype(p.kv.dtype).name if p.kind == BF16 else p.kind
+
+
+def _pad_pools(pools, block) -> list[Pool]:
     """Pad each pool's index list to a multiple of ``block`` with -1 (masked) slots."""
     out = []
-    for pool in pools:
-        kv, scale, idx = _split_pool(pool)
-        s = idx.shape[1]
-        pad = -s % block
-        if pad:
-            idx = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
-        out.append((kv, scale, idx.astype(jnp.int32)))
+    for pool in map(_split_pool, pools):
+        pad = -pool.idx.shape[1] % block
+        idx = jnp.pad(pool.idx, ((0, 0), (0, pad)), constant_values=-1) if pad else pool.idx
+        out.append(pool._replace(idx=idx.astype(jnp.int32)))
     return out
 
 
+def _operands(pool: Pool) -> tuple:
+    """The kernel's arrays of a pool: an NVFP4 pool's e4m3 scales go in as their bytes (the
+    kernel reads them through its uint8 view)."""
+    if pool.kind == NVFP4:
+        return pool.kv, lax.bitcast_convert_type(pool.scale, jnp.uint8), pool.idx
+    return tuple(a for a in pool[1:] if a is not None)
+
+
 def _gather_rows(pool):
-    """fp32 rows of one pool gathered by its idx (masked slots read row 0), dequantised if fp8."""
-    kv, scale, idx = _split_pool(pool)
+    """fp32 rows of one pool gathered by its idx (masked slots read row 0), dequantised."""
+    kind, kv, scale, idx = _split_pool(pool)
     rows = jnp.maximum(idx, 0)
-    if scale is None:
-        return kv[rows].astype(jnp.float32)
-    return dequantize_fp8(kv[rows], scale[rows])
+    if kind == NVFP4:
+        return Nvfp4Rows(kv[rows], scale[rows]).dequantized()
+    if kind == FP8:
+        return dequantize_fp8(kv[rows], scale[rows])
+    return kv[rows].astype(jnp.float32)
 
 
 def sparse_mqa_reference(q, pools, sink, scale):
-    """Pure-jnp reference: fp32 logits and softmax of bf16 (or dequantised fp8) inputs, output
-    cast to q.dtype. Takes the same pools as ``sparse_mqa``."""
+    """Pure-jnp reference: fp32 logits and softmax of bf16 (or dequantised) inputs, output cast
+    to q.dtype. Takes the same pools as ``sparse_mqa``."""
     keys = jnp.concatenate([_gather_rows(p) for p in pools], 1)
-    valid = jnp.concatenate([_split_pool(p)[2] >= 0 for p in pools], 1)
+    valid = jnp.concatenate([_split_pool(p).idx >= 0 for p in pools], 1)
     hi = lax.Precision.HIGHEST
     logits = jnp.einsum("thd,tsd->ths", q.astype(jnp.float32), keys, precision=hi) * scale
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
@@ -208,28 +240,30 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
+def _cp_async_gather(*, kind: str, d: int, half_rows: int = 0):
     """Mosaic GPU (per-thread) code for the producer warpgroup: copy one chunk's ``BLOCK_KV``
     gathered rows into a K/V slot in 16-byte ``cp.async`` pieces (the thread's noinc arrival
     that follows tracks them all).
 
     Called as ``gather(kv, ids, dst)`` (bf16: ``dst`` the slot's two [64, D/2] half-tiles,
-    (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8: ``dst`` the
-    slot's rows of the fp8 view, [half_rows + 64, D/2 + FP8_PAD]). Thread ``8j + i`` copies
+    (8, 64)-tiled with a 128-byte swizzle) or ``gather(kv, ids, dst, scale)`` (fp8 and NVFP4:
+    ``dst`` the slot's rows of the fp8 view, [half_rows + 64, D/2 + FP8_PAD], each half's bytes
+    of a row at the start of its view row and the half's scale bytes at D/2). Thread ``8j + i`` copies
     pieces ``i, i + 8, ..`` of rows ``j, j + 16, ..`` (of an fp8 row at D = 128, with four
     pieces per half: ``4j + i``, rows ``j, j + 32``), so a warp's copy reads whole 128-byte
     lines; the thread's place in the tile is computed once (``(j + 16 r) % 8 = j % 8``, so one
     swizzle XOR serves all its rows) and each piece is a constant offset from it and its row.
     """
     dh = d // 2
-    row_bytes = d if fp8 else 2 * d
+    row_bytes = {BF16: 2 * d, FP8: d, NVFP4: d // 2}[kind]
+    viewed = kind != BF16
     pieces = row_bytes // COPY                    # per row
     half_pieces = pieces // 2                     # per compute warpgroup's half of D
     tpr = min(8, half_pieces)                     # threads per row: a 128-byte line, or half an fp8 row
     step = WARPGROUP // tpr                       # rows per round of the warpgroup
     assert BLOCK_KV % step == 0 and half_pieces % tpr == 0
     pitch8 = dh + FP8_PAD
-    n_scales = d // 32                            # UE8M0 bytes per row: 4, 8 or 16
+    n_scales = d // 32       # scale bytes a half: fp8 the row's UE8M0 bytes (4 to 16), NVFP4 its half's e4m3
 
     def gather(ctx, kv, ids, dst, *scale):
         del ctx
@@ -254,7 +288,7 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
                 dst, src, size, nvvm.LoadCacheModifierKind.CG if size == COPY else nvvm.LoadCacheModifierKind.CA)
 
         j0, sub = arith.divui(lane, c(tpr)), arith.remui(lane, c(tpr))
-        if fp8:   # row j of each half's row-major region, at pitch8
+        if viewed:   # row j of each half's row-major region, at pitch8
             base = gep(dst_ptr, add(mul(j0, c(pitch8)), mul(sub, c(COPY))))
         else:     # (8, 64) tiles, row-major over [64/8, dh/64]; 128B swizzle: 16B piece ^ (row % 8)
             r8 = arith.remui(j0, c(8))                     # (j0 + step r) % 8 = j0 % 8 (tpr = 8)
@@ -266,15 +300,17 @@ def _cp_async_gather(*, fp8: bool, d: int, half_rows: int = 0):
             src_row = gep(global_ptr(kv), add(mul(rid, c(row_bytes, i64)), arith.extui(i64, mul(sub, c(COPY)))))
             for i in range(pieces // tpr):
                 h, q = divmod(tpr * i, half_pieces)
-                if fp8:
+                if viewed:
                     static = (h * half_rows + step * r) * pitch8 + q * COPY
                 else:
                     static = step * r // 8 * (dh // 64 * 1024) + h * BLOCK_KV * dh * 2 + q // 8 * 1024
                 copy(gep(base, c(static)), gep(src_row, c(tpr * i * COPY, i64)))
-            if fp8:   # the row's scale bytes into the padding of half `sub`, by its first two threads
+            if viewed:   # scale bytes into the padding of half `sub`, by the row's first two threads
+                src = (mul(rid, c(n_scales, i64)) if kind == FP8   # fp8: the row's, in both halves
+                       else add(mul(rid, c(2 * n_scales, i64)), arith.extui(i64, mul(sub, c(n_scales)))))
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, sub, c(2))):
                     copy(gep(dst_ptr, add(mul(add(mul(sub, c(half_rows)), j), c(pitch8)), c(dh))),
-                         gep(global_ptr(scale[0]), mul(rid, c(n_scales, i64))), n_scales)
+                         gep(global_ptr(scale[0]), src), n_scales)
 
     return gather
 
@@ -329,8 +365,10 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                interpret=False, skip_stages=()):
     """Sparse sink MQA over gathered rows of ``pools`` (see the module docstring).
 
-    ``pools``: bf16 pools ``(kv, idx)`` and/or fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)``, e.g.
-    ``sparse_mqa(q, [Fp8Pool(kv8, ue8m0(s), window_idx), (comp_kv, comp_idx)], sink, scale)``.
+    ``pools``: bf16 pools ``(kv, idx)``, fp8 pools ``Fp8Pool(kv_fp8, kv_ue8m0, idx)`` and NVFP4
+    pools ``Nvfp4Pool(codes, scale, idx)`` in any mix, e.g. V4.1's stored window and compressed
+    entries, ``sparse_mqa(q, [Fp8Pool(kv8, ue8m0(s), window_idx), Nvfp4Pool(*comp, comp_idx)],
+    sink, scale)``.
 
     ``splits`` > 1 divides each query's key chunks over that many CTAs (flash-decoding, for
     batches too small to fill the GPU); each writes its normalised partial output and its
@@ -342,7 +380,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     ``None`` for either: ``sparse_attention_tiles.launch`` for this GPU's SM count.
 
     ``skip_stages`` (a subset of ``STAGES``) is for stage-removal timing only and makes the
-    result wrong: the row copies (the slot is still handed over), the in-place fp8
+    result wrong: the row copies (the slot is still handed over), the in-place fp8 or NVFP4
     dequantisation, the exchange of partial logits, or both MMAs.
     """
     skip = frozenset(skip_stages)
@@ -352,17 +390,20 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
-    for kv, kv_scale, idx in pools:
-        want = jnp.bfloat16 if kv_scale is None else jnp.float8_e4m3fn
-        if kv.shape[0] < 1 or kv.shape[1] != d or kv.dtype != want or idx.shape[0] != t_len:
-            raise ValueError(f"pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape} "
+    for kind, kv, kv_scale, idx in pools:
+        width, want = {BF16: (d, jnp.bfloat16), FP8: (d, jnp.float8_e4m3fn), NVFP4: (d // 2, jnp.uint8)}[kind]
+        if kv.shape[0] < 1 or kv.shape[1] != width or kv.dtype != want or idx.shape[0] != t_len:
+            raise ValueError(f"{kind} pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape} "
                              "(or the pool is empty: masked slots read its row 0)")
-        if kv_scale is not None and (kv_scale.shape != (kv.shape[0], d // 32) or kv_scale.dtype != jnp.uint8):
-            raise ValueError(f"fp8 pool scale {kv_scale.shape} {kv_scale.dtype}: want uint8 UE8M0 "
-                             f"{(kv.shape[0], d // 32)} (see ue8m0)")
+        scale_want = {BF16: None, FP8: ((kv.shape[0], d // 32), jnp.uint8),
+                      NVFP4: ((kv.shape[0], d // NVFP4_BLOCK), jnp.float8_e4m3fn)}[kind]
+        if kv_scale is not None and (kv_scale.shape, kv_scale.dtype) != scale_want:
+            raise ValueError(f"{kind} pool scale {kv_scale.shape} {kv_scale.dtype}: want {scale_want}")
+        if kind == NVFP4 and d % 256:
+            raise ValueError(f"NVFP4 pools need D in 256s (a half's codes in 64-byte runs), got {d}")
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
-    n_chunks = [idx.shape[1] // BLOCK_KV for _, _, idx in pools]
+    n_chunks = [pool.idx.shape[1] // BLOCK_KV for pool in pools]
     chosen = launch(t_len, n_heads, sum(n_chunks), n_sms, splits)
     splits = chosen.splits
     if t_len == 0:
@@ -379,8 +420,8 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
                          "and all of them when splits > 1 or there is no key chunk")
     per_cta = -(-n_items // ctas)                             # items per CTA (the last ones may have one less)
-    is_fp8 = [kv_scale is not None for _, kv_scale, _ in pools]
-    any_fp8 = any(is_fp8)
+    kinds = [pool.kind for pool in pools]
+    viewed = any(kind != BF16 for kind in kinds)   # the fp8 view over the K/V slots is needed
     dh = d // 2                                   # D columns per compute warpgroup
     view = Fp8View.for_half_width(dh)
     qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
@@ -390,15 +431,15 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     cast = (lambda x, layout: x) if interpreting else plgpu.layout_cast
     gather_bf16 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))(
-        _cp_async_gather(fp8=False, d=d))
-    gather_fp8 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
-        _cp_async_gather(fp8=True, d=d, half_rows=view.half_rows))
+        _cp_async_gather(kind=BF16, d=d))
+    gather_viewed = {kind: plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
+        _cp_async_gather(kind=kind, d=d, half_rows=view.half_rows)) for kind in (FP8, NVFP4)}
     init_full_barriers = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_full_barriers)
     arrive_on_landing = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_arrive_on_landing)
     wait_parity = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_parity(k)) for k in (0, 1)]
 
     # Each pool's refs: (kv, idx) or (kv, scale, idx).
-    ref_counts = [3 if f else 2 for f in is_fp8]
+    ref_counts = [2 if kind == BF16 else 3 for kind in kinds]
 
     def body(q_ref, sink_ref, *refs):
         o_ref = refs[-1]
@@ -469,24 +510,30 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                     else:
                         arrive_on_landing(full_at(g % SLOTS))
 
-                def gather(kv_ref, scale_ref, ids_ref, slot):
+                def gather(kind, kv_ref, scale_ref, ids_ref, slot):
                     if not interpreting:
-                        if scale_ref is None:
+                        if kind == BF16:
                             gather_bf16(kv_ref, ids_ref, kt.at[slot])
                         else:
                             rows = pl.ds(fp8_row(slot, 0), view.half_rows + BLOCK_KV)
-                            gather_fp8(kv_ref, ids_ref, v8.at[rows], scale_ref)
+                            gather_viewed[kind](kv_ref, ids_ref, v8.at[rows], scale_ref)
                         return
                     # The interpreter runs no inline Mosaic GPU code: one copy per row and half,
-                    # then (fp8) one per row and half for the scale bytes, waiting after each round.
-                    if scale_ref is None:
+                    # then (fp8, NVFP4) one per row and half for the scale bytes, waiting after each round.
+                    view_row = lambda j, w: pl.ds(fp8_row(slot, w) + j, 1)  # noqa: E731
+                    if kind == BF16:
                         rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
                                    lambda j, w: kt.at[slot, w, pl.ds(j, 1)])]
-                    else:
+                    elif kind == FP8:
                         rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
-                                   lambda j, w: v8.at[pl.ds(fp8_row(slot, w) + j, 1), pl.ds(0, dh)]),
+                                   lambda j, w: v8.at[view_row(j, w), pl.ds(0, dh)]),
                                   (lambda row, w: scale_ref.at[pl.ds(row, 1)],
-                                   lambda j, w: s8.at[pl.ds(fp8_row(slot, w) + j, 1), pl.ds(dh, d // 32)])]
+                                   lambda j, w: s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
+                    else:
+                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh // 2, dh // 2)],
+                                   lambda j, w: s8.at[view_row(j, w), pl.ds(0, dh // 2)]),
+                                  (lambda row, w: scale_ref.at[pl.ds(row, 1), pl.ds(w * d // 32, d // 32)],
+                                   lambda j, w: s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
                     for src, dst in rounds:
                         @pl.loop(0, BLOCK_KV)
                         def _row(j, src=src, dst=dst):
@@ -514,12 +561,13 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         fetch_ids(live[0], local[live[0]][0], base + lo)   # the first chunk's ids
                         for p in live:
                             kv_ref, scale_ref, _ = pool_refs[p]
+                            kind = kinds[p]
                             end = local[p][1]
                             # the next chunk is the next pool's first if this pool ends inside the range
                             nxt = next((q for q in live if q > p), None) if chunk0[p] + end < hi else None
 
                             @pl.loop(*local[p])
-                            def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt):
+                            def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt, kind=kind):
                                 g = base + chunk0[p] + c
                                 # the slot's previous chunk (g - 2) is released after both PVs
                                 pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
@@ -529,7 +577,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                 if nxt is not None:
                                     pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
                                 if "row_copies" not in skip:
-                                    gather(kv_ref, scale_ref, ids_slot(g), g % SLOTS)
+                                    gather(kind, kv_ref, scale_ref, ids_slot(g), g % SLOTS)
                                 hand_over(g)
 
                                 # A later item's q goes where the last item's output tiles were
@@ -567,28 +615,42 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                         pl.when(lax.div(g - lo, SLOTS) % 2 == parity)(lambda: wait_parity[parity](full_at(g % SLOTS)))
                     plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
 
-                def dequantize(slot):
-                    """This warpgroup's fp8 half of the chunk -> bf16 tiles over the same bytes."""
+                def dequantize(kind, slot):
+                    """This warpgroup's fp8 or NVFP4 half of the chunk -> bf16 tiles over the same bytes."""
                     rows = pl.ds(fp8_row(slot, wg), BLOCK_KV)
-                    vals, scale_bytes, tile = v8.at[rows], s8.at[rows], kt.at[slot, wg]
-                    n_groups = dh // 32
+                    vals, raw, tile = v8.at[rows], s8.at[rows], kt.at[slot, wg]
+                    col = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE)
 
-                    def group_scales(gi):   # scale of group gi of this half, one per row (ROW layout)
-                        col = dh + wg * n_groups + gi
+                    def scale_byte(c):   # a byte of each row (ROW layout)
                         if interpreting:
-                            e = scale_bytes[pl.ds(0, BLOCK_KV), col]
-                        else:   # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
-                            e = plgpu.load(scale_bytes, (pl.ds(0, BLOCK_KV), col), layout=ROW, optimized=False)
-                        return pow2_from_exponent(e)
+                            return raw[pl.ds(0, BLOCK_KV), c]
+                        # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
+                        return plgpu.load(raw, (pl.ds(0, BLOCK_KV), c), layout=ROW, optimized=False)
 
-                    pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
-                    scales = [group_scales(gi) for gi in range(n_groups)]
-                    plgpu.commit_smem()   # all four warps have read the fp8 bytes before any is overwritten
-                    upper = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE) >= 32
-                    for k, piece in enumerate(pieces):
-                        lo_s, hi_s = (lax.broadcast_in_dim(s, piece.shape, [0]) for s in scales[2 * k:2 * k + 2])
-                        tile[:, pl.ds(k * 64, 64)] = (piece.astype(jnp.float32) * jnp.where(upper, hi_s, lo_s)
-                                                      ).astype(jnp.bfloat16)
+                    def scaled(values, scales):
+                        """[64, 64] values times their column group's per-row scale (equal groups)."""
+                        group = 64 // len(scales)
+                        s = lax.broadcast_in_dim(scales[-1], values.shape, [0])
+                        for i in reversed(range(len(scales) - 1)):
+                            s = jnp.where(col < group * (i + 1), lax.broadcast_in_dim(scales[i], values.shape, [0]), s)
+                        return (values * s).astype(jnp.bfloat16)
+
+                    if kind == FP8:   # the row's UE8M0 bytes, this half's from wg * dh / 32 on
+                        pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
+                        scales = [pow2_from_exponent(scale_byte(dh + wg * dh // 32 + i)) for i in range(dh // 32)]
+                        plgpu.commit_smem()   # all four warps have read the bytes before any is overwritten
+                        for k, piece in enumerate(pieces):
+                            tile[:, pl.ds(k * 64, 64)] = scaled(piece.astype(jnp.float32), scales[2 * k:2 * k + 2])
+                    else:             # code byte j: channels j (low nibble) and j + dh / 2 (high)
+                        pieces = [cast(raw[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 128)]
+                        scales = [e4m3_from_bits(scale_byte(dh + i).astype(jnp.int32))
+                                  for i in range(dh // NVFP4_BLOCK)]
+                        plgpu.commit_smem()
+                        for k, piece in enumerate(pieces):
+                            c = piece.astype(jnp.int32)
+                            for at, code in ((k * 64, c & 15), (dh // 2 + k * 64, c >> 4)):
+                                g = at // NVFP4_BLOCK
+                                tile[:, pl.ds(at, 64)] = scaled(e2m1_scaled(code, 127), scales[g:g + 4])
                     plgpu.commit_smem()
 
                 @for_my_items
@@ -607,17 +669,17 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                             cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
                         )
                         # the producer walks the same pools and chunks in the same order
-                        for (c_lo, c_hi), fp8, g0 in zip(local, is_fp8, chunk0):
+                        for (c_lo, c_hi), kind, g0 in zip(local, kinds, chunk0):
 
-                            def chunk(c, carry, fp8=fp8, g0=g0):
+                            def chunk(c, carry, kind=kind, g0=g0):
                                 acc, m, l = carry
                                 g = base + g0 + c
                                 slot = g % SLOTS
                                 plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
                                 wait_full(g, lo)
                                 ids = cast(ids_slot(g)[...], COL)
-                                if fp8 and "dequant" not in skip:
-                                    dequantize(slot)
+                                if kind != BF16 and "dequant" not in skip:
+                                    dequantize(kind, slot)
                                 my_kt = kt.at[slot, wg]
                                 # q's tile through a zero loaded here: with a loop-invariant index,
                                 # LLVM hoists all 16 wgmma descriptors of q (32 registers) out of the loop
@@ -682,7 +744,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
         # shared-memory limit): there the views are separate buffers, which only drops the aliasing.
         tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled)
         fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
-        if not any_fp8:
+        if not viewed:
             slots, unpack = tiles, lambda s: (s, None, None)
         elif interpreting:
             slots, unpack = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
@@ -732,7 +794,7 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_interpret_params(interpret),
     )
-    flat = [a for pool in pools for a in pool if a is not None]
+    flat = [a for pool in pools for a in _operands(pool)]
     out = kernel(q, lax.bitcast_convert_type(sink.astype(jnp.float32), jnp.int32), *flat)
     return out if splits == 1 else _combine_splits(*out)
 

@@ -113,8 +113,9 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
                    help="KV pool size in tokens (default: max-running-requests full-length requests)")
     m.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
-                   help="fp8_e4m3: the sliding-window KV as e4m3 values + UE8M0 scales (the model's own FP8 "
-                        "window format, so the same outputs); the compressed pools keep the model dtype")
+                   help="fp8_e4m3: the KV state in the formats the model quantises it to, read by the kernels "
+                        "directly (so the same outputs): the sliding-window KV as e4m3 values + UE8M0 scales, the "
+                        "compressed pools as NVFP4 (e2m1 + an e4m3 scale per 16), 288 of 1,024 bf16 bytes a row")
     add_hicache(ap)
     c = ap.add_argument_group("compilation")
     c.add_argument("--max-compiled-programs", type=int,

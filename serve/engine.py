@@ -64,7 +64,9 @@ class EngineConfig:
     overlap: bool = True
     prefix_cache: bool = True
     top_logprobs: int = 20
-    kv_cache_dtype: str = "auto"  # "fp8_e4m3": the window KV ring in its stored FP8 form
+    # "fp8_e4m3": the KV state in the formats the model quantises it to (FP8 window rings, NVFP4
+    # compressed pools: model.state), as SGLang keeps V4's; "auto": their values in the model dtype
+    kv_cache_dtype: str = "auto"
     # "fp8" / "mxfp4": expert weights quantised at load (mega.moe.FORMATS); "w8a8": fp8 weights
     # and the rows into each expert GEMM in fp8 (SGLang's block-fp8 MoE)
     quantization: str = "none"
@@ -133,6 +135,11 @@ class EngineConfig:
         from mega.backend import on_gpu
 
         return max(8192 if on_gpu() else 2048, 2 * self.max_running)
+
+    @property
+    def quantized_kv(self) -> bool:
+        """Whether the KV state is kept in its stored formats (``kv_cache_dtype``)."""
+        return self.kv_cache_dtype == "fp8_e4m3"
 
     @property
     def model_dtype(self):
@@ -206,11 +213,11 @@ class Engine:
         b = self.buckets
         self.runner = ModelRunner(params, cfg, emap, config.max_running, config.max_len, config.page_size,
                                   config.pages, keep, self.buckets, config.top_logprobs,
-                                  window_fp8=config.kv_cache_dtype == "fp8_e4m3", spec=spec, mesh=self.mesh,
+                                  quantized_kv=config.quantized_kv, spec=spec, mesh=self.mesh,
                                   count_experts=config.enable_eplb)
         self.kernel_paths = kernel_paths(params, cfg, b.decode + b.prefill + b.replay,
                                          self.runner.pages_per_request * config.page_size,
-                                         config.kv_cache_dtype == "fp8_e4m3")
+                                         config.quantized_kv)
         log = logging.getLogger("megajax")
         log.info("model dtype %s", config.model_dtype.name)
         for op, path in self.kernel_paths.items():
@@ -228,7 +235,7 @@ class Engine:
             n_programs, budget.map_cost, budget.limits() or "no known limit")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         # what must agree for another engine's pages to be valid here (hicache's storage, disaggregation)
-        self.page_identity = model_identity(cfg, params, config.page_size, config.quantization)
+        self.page_identity = model_identity(cfg, params, self.runner.page_layout, config.quantization)
         self.hicache = None if config.hicache is None else HiCache(
             config.hicache, self.runner.page_layout, self.page_identity, self.runner, config.pages)
         self.scheduler = Scheduler(config.max_running, config.page_size, config.pages, config.step_tokens,

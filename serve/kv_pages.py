@@ -31,26 +31,30 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.state import comp_pool, index_pool, pool_row_bytes
+from pallas_kernels.block_scaled import stored_kind
 
 
 @dataclass(frozen=True)
 class PageLayout:
     """The pool arrays a page spans, as bytes: ``(rows a page, bytes a row)`` for each array of each
-    source's compressed KV, then of its indexer keys (an FP4 key pool is two arrays, codes and
-    scales: ``model.state.index_pool``). A page is their rows' bytes end to end (uint8)."""
+    source's compressed KV, then of its indexer keys (an FP4 pool is two arrays, codes and scales:
+    ``model.state.comp_pool``, ``index_pool``). A page is their rows' bytes end to end (uint8).
+    ``formats``: how the two pools store their rows (``block_scaled.stored_kind``)."""
     page_size: int
     ratios: tuple[int, ...]  # per KV source
     parts: tuple[tuple[int, int], ...]
+    formats: tuple[str, str]
 
     @classmethod
-    def of(cls, cfg: ModelConfig, page_size: int, dtype) -> "PageLayout":
+    def of(cls, cfg: ModelConfig, page_size: int, dtype, quantized_kv: bool = False) -> "PageLayout":
         ratios = tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids)
         if any(page_size % r for r in ratios):
             raise ValueError(f"page_size {page_size} must be a multiple of every compress ratio {ratios}")
-        pools = jax.eval_shape(lambda: (comp_pool(cfg, 1, dtype), index_pool(cfg, 1, dtype)))
+        pools = jax.eval_shape(lambda: (comp_pool(cfg, 1, dtype, quantized_kv), index_pool(cfg, 1, dtype)))
         kv, keys = ([pool_row_bytes(a) for a in jax.tree.leaves(p)] for p in pools)
         rows = [page_size // r for r in ratios]
-        return cls(page_size, ratios, tuple((n, b) for part in (kv, keys) for n in rows for b in part))
+        return cls(page_size, ratios, tuple((n, b) for part in (kv, keys) for n in rows for b in part),
+                   tuple(stored_kind(p) for p in pools))
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -65,15 +69,14 @@ class PageLayout:
         return self.page_bytes / self.page_size
 
 
-def model_identity(cfg: ModelConfig, params: dict, page_size: int, quantization: str) -> bytes:
-    """What must agree for two engines' pages to be interchangeable: the config, the page size, the
-    pools' dtype and storage layout, the expert quantisation (it changes every later layer's KV) and the weights, which
+def model_identity(cfg: ModelConfig, params: dict, layout: PageLayout, quantization: str) -> bytes:
+    """What must agree for two engines' pages to be interchangeable: the config, the page layout
+    (size, the pools' dtype, formats and bytes), the expert quantisation (it changes every later layer's KV) and the weights, which
     the first 64 values of every tensor stand for (two fine-tunes of one base differ somewhere in
     most tensors, not in the embedding alone). A tensor in host memory (``--engram-placement host``)
     counts by its shape and dtype: XLA cannot index it outside a program."""
     h = hashlib.sha256()
-    layout = PageLayout.of(cfg, page_size, params["embed"].dtype).parts   # how the pages store the pools
-    for part in (repr(cfg), page_size, jnp.dtype(params["embed"].dtype).name, quantization, layout):
+    for part in (repr(cfg), jnp.dtype(params["embed"].dtype).name, quantization, layout):
         h.update(repr(part).encode() + b"\0")
     for leaf in jax.tree.leaves(params):
         if getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host":

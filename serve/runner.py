@@ -313,7 +313,7 @@ def tail_step(params, state: DeviceState, handoff: Handoff, ban: jax.Array, engr
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, engram_map, max_running: int, max_len: int, page_size: int,
                  num_pages: int, replay_keep: int | None, buckets: Buckets, num_top: int = 20,
-                 window_fp8: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None,
+                 quantized_kv: bool = False, programs: ProgramCache | None = None, spec: SpecOptions | None = None,
                  mesh: Mesh | None = None, count_experts: bool = False):
         """``mesh``: a (data, expert) mesh the ``params`` are already split over; the state is then
         split over ``data`` (``sharding.specs``) and the steps trace under it, so the MoE sites
@@ -324,7 +324,7 @@ class ModelRunner:
         self.max_running = max_running
         self.pages_per_request = -(-max_len // page_size)
         # the engine owns the page pool: the compressed pools are sized by num_pages, not per slot
-        model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), window_fp8=window_fp8,
+        model = init_state(cfg, max_running, max_len, page_size, state_dtype(params), quantized_kv=quantized_kv,
                            spec_tokens=0 if spec is None else spec.num_drafts, expert_load=count_experts,
                            num_pages=num_pages)
         v = cfg.vocab_size
@@ -336,7 +336,7 @@ class ModelRunner:
         self.programs = programs or shared_programs()
         self.handoff_rows = buckets.replay[-1] if buckets.replay else 0
         self.signature = Signature.of(cfg, num_top, params, self.state, engram_map, spec=spec)
-        self.page_layout = PageLayout.of(cfg, page_size, state_dtype(params))
+        self.page_layout = PageLayout.of(cfg, page_size, state_dtype(params), quantized_kv)
         self._compiles_at_start = self.programs.compiles
 
     def step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:

@@ -13,7 +13,7 @@ import pytest
 import mega.attention as mega_attention
 from mega.attention import attention
 from model.quant import fp8_block32_parts
-from pallas_kernels.block_scaled import Fp8Pool, dequantize_fp8, ue8m0
+from pallas_kernels.block_scaled import Fp8Pool, Nvfp4Pool, Nvfp4Rows, dequantize_fp8, ue8m0
 from pallas_kernels.sparse_attention import sparse_mqa, sparse_mqa_reference
 
 _seeds = itertools.count(1000)
@@ -41,29 +41,35 @@ def _fp8_quantise(x):
     return jnp.asarray(vals).astype(jnp.float8_e4m3fn), jnp.asarray(scale), jnp.asarray(exponent)
 
 
+def _spread(key, n, d, block):
+    """Random [n, d] rows with a spread of magnitudes across rows and ``block``-channel blocks, so
+    the per-block scales differ (one block all but zero: the scale rule's floor)."""
+    ka, kb = jax.random.split(key)
+    mag = np.exp2(np.asarray(jax.random.randint(kb, (n, d // block), -8, 5))).astype(np.float32)
+    mag[0, 0] = 1e-7
+    return np.asarray(jax.random.normal(ka, (n, d))) * np.repeat(mag, block, 1)
+
+
 def _case(t_len, heads, d, pools):
-    """Random q, sink and pools [(N, S)] or [(N, S, "fp8")], with ragged masks, duplicates and a
-    fully masked row. fp8 pools get a spread of magnitudes across rows and 32-channel blocks, so
-    the per-block scales differ (and some blocks are tiny, hitting the 1e-4 amax floor)."""
+    """Random q, sink and pools [(N, S)], [(N, S, "fp8")] or [(N, S, "nvfp4")], with ragged masks,
+    duplicates and a fully masked row; the stored kinds over rows of spread magnitudes."""
     ks = jax.random.split(_key(), 2 + 2 * len(pools))
     q = jax.random.normal(ks[0], (t_len, heads, d), jnp.bfloat16)
     sink = jax.random.normal(ks[1], (heads,), jnp.float32)
     out = []
     for i, (n, s, *kind) in enumerate(pools):
-        if kind == ["fp8"]:
-            ka, kb = jax.random.split(ks[2 + 2 * i])
-            mag = np.exp2(np.asarray(jax.random.randint(kb, (n, d // 32), -8, 5))).astype(np.float32)
-            mag[0, 0] = 1e-7                                   # an all-but-zero block
-            x = np.asarray(jax.random.normal(ka, (n, d))) * np.repeat(mag, 32, 1)
-            kv8, _, exponent = _fp8_quantise(x)
-            kv = (kv8, exponent)
-        else:
-            kv = ((2 * jax.random.normal(ks[2 + 2 * i], (n, d))).astype(jnp.bfloat16),)
         idx = np.array(jax.random.randint(ks[3 + 2 * i], (t_len, s), -1, n, jnp.int32))
         idx[0, : s // 2] = idx[0, 0]            # duplicate rows count once per slot, like the reference
         idx[min(1, t_len - 1)] = -1             # a query with no visible key in any pool
         idx[-1, ::3] = -1                       # ragged: some empty slots
-        out.append(Fp8Pool(*kv, jnp.asarray(idx)) if len(kv) == 2 else (*kv, jnp.asarray(idx)))
+        idx = jnp.asarray(idx)
+        if kind == ["fp8"]:
+            kv8, _, exponent = _fp8_quantise(_spread(ks[2 + 2 * i], n, d, 32))
+            out.append(Fp8Pool(kv8, exponent, idx))
+        elif kind == ["nvfp4"]:
+            out.append(Nvfp4Pool(*Nvfp4Rows.from_float(jnp.asarray(_spread(ks[2 + 2 * i], n, d, 16))), idx))
+        else:
+            out.append(((2 * jax.random.normal(ks[2 + 2 * i], (n, d))).astype(jnp.bfloat16), idx))
     return q, out, sink, min(1, t_len - 1)
 
 
@@ -90,6 +96,9 @@ KERNEL_CASES = [   # (t_len, heads, d, pools, splits, ctas)
     (5, 128, 128, [(300, 64), (200, 100)], 1, 3),
     (3, 64, 128, [(301, 64, "fp8"), (200, 100)], 1, 2),      # fp8 window, 2 CTAs
     (4, 64, 128, [(300, 50)], 1, 2),                         # one chunk per item
+    (3, 64, 256, [(150, 64, "fp8"), (120, 100, "nvfp4")], 1, None),   # V4.1 stored: fp8 window + NVFP4 compressed
+    (2, 128, 512, [(130, 70, "nvfp4")], 2, None),            # NVFP4 only, at V4.1's D, two head groups, splits
+    (5, 64, 256, [(120, 64), (100, 130, "nvfp4")], 1, 2),    # bf16 window + NVFP4, persistent
 ]
 
 
@@ -112,6 +121,10 @@ def _check_kernel(t_len, heads, d, pools, splits, ctas):
     scale = d ** -0.5
     out = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, scale, splits=splits, ctas=ctas))(q, pools, sink)
     ref = sparse_mqa_reference(q, pools, sink, scale)
+    # a stored pool reads as the bf16 pool of its values (they are exact in bf16)
+    as_bf16 = [(jnp.concatenate([_dequantized(p), jnp.zeros((1, d))]).astype(jnp.bfloat16), p[-1])
+               for p in pools]
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(sparse_mqa_reference(q, as_bf16, sink, scale)))
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any(), "kernel left output elements unwritten (NaN poison)"
     assert _rel_err(out, ref) < 1e-2
@@ -119,17 +132,25 @@ def _check_kernel(t_len, heads, d, pools, splits, ctas):
     assert np.abs(out).max() > 0.1                          # and the other rows are not trivial
 
 
-@pytest.mark.parametrize("fp8_window", [False, True])
-def test_model_attention_dispatches_to_the_kernel(monkeypatch, fp8_window):
+def _dequantized(pool):
+    if isinstance(pool, Nvfp4Pool):
+        return Nvfp4Rows(pool.codes, pool.scale).dequantized()
+    return dequantize_fp8(pool.kv, pool.scale) if isinstance(pool, Fp8Pool) else pool[0].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_model_attention_dispatches_to_the_kernel(monkeypatch, stored):
     """``mega.attention`` (q RoPE, kernel, inverse RoPE) through the interpreted kernel equals
-    its reference path on the same inputs with a real rotation; the window pool in bf16 or in
-    its stored FP8 form (values, UE8M0 bytes)."""
-    t_len, heads, d, half = 3, 64, 128, 32
-    q, (win, comp), sink, masked = _case(t_len, heads, d, [(40, 16, "fp8") if fp8_window else (40, 16), (30, 24)])
-    window_kv = (win.kv, win.scale) if fp8_window else win[0]
+    its reference path on the same inputs with a real rotation; the pools in bf16 or in their
+    stored forms (an FP8 window: values, UE8M0 bytes; NVFP4 compressed rows)."""
+    t_len, heads, d, half = 3, 64, 256, 32
+    q, (win, comp), sink, masked = _case(t_len, heads, d, [(40, 16, "fp8"), (30, 24, "nvfp4")] if stored
+                                         else [(40, 16), (30, 24)])
+    window_kv = (win.kv, win.scale) if stored else win[0]
+    comp_kv = Nvfp4Rows(comp.codes, comp.scale) if stored else comp[0]
     angles = jax.random.uniform(_key(), (t_len, half), minval=0, maxval=6.28)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    run = lambda: attention(q, cos, sin, window_kv, win[-1], comp[0], comp[1], sink, d ** -0.5)  # noqa: E731
+    run = lambda: attention(q, cos, sin, window_kv, win[-1], comp_kv, comp[-1], sink, d ** -0.5)  # noqa: E731
     monkeypatch.setenv("MEGAJAX_KERNELS", "reference")
     ref = np.asarray(run(), np.float32)
     monkeypatch.setenv("MEGAJAX_KERNELS", "interpret")
@@ -155,7 +176,7 @@ def test_fp8_quantiser_matches_the_spec():
     assert np.all(np.abs(deq - x) <= np.abs(x) / 16 + np.repeat(s, 32, 1) * 2 ** -9)  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8"])        # window + compressed pool dtypes
+@pytest.mark.parametrize("kinds", ["bf16", "fp8+bf16", "fp8", "fp8+nvfp4"])   # window + compressed pool kinds
 # decode with 64 requests, prefill on a persistent grid, decode with 8 requests (key splits)
 @pytest.mark.parametrize("t_len,splits,ctas", [(4 * 64, 1, None), (4096, 1, 132), (4 * 8, 4, None)])
 def test_cross_lowering_v41_shapes(t_len, splits, ctas, kinds):
@@ -165,15 +186,19 @@ def test_cross_lowering_v41_shapes(t_len, splits, ctas, kinds):
     heads, d = 64, 512
     q = jax.ShapeDtypeStruct((t_len, heads, d), jnp.bfloat16)
 
-    def pool(n, s, fp8):
+    def pool(n, s, kind):
         idx = jax.ShapeDtypeStruct((t_len, s), jnp.int32)
-        if fp8:
+        if kind == "fp8":
             return Fp8Pool(jax.ShapeDtypeStruct((n, d), jnp.float8_e4m3fn),
                            jax.ShapeDtypeStruct((n, d // 32), jnp.uint8), idx)
+        if kind == "nvfp4":
+            return Nvfp4Pool(jax.ShapeDtypeStruct((n, d // 2), jnp.uint8),
+                             jax.ShapeDtypeStruct((n, d // 16), jnp.float8_e4m3fn), idx)
         return jax.ShapeDtypeStruct((n, d), jnp.bfloat16), idx
 
-    fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
-    pools = [pool(n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
+    names = {"bf16": ("bf16", "bf16"), "fp8+bf16": ("fp8", "bf16"), "fp8": ("fp8", "fp8"),
+             "fp8+nvfp4": ("fp8", "nvfp4")}[kinds]
+    pools = [pool(n, s, k) for (n, s), k in zip([(128 * 256, 128), (32768 * 64, 512)], names)]
     sink = jax.ShapeDtypeStruct((heads,), jnp.float32)
     fn = jax.jit(lambda q, p, s: sparse_mqa(q, p, s, d ** -0.5, splits=splits, ctas=ctas))
     text = fn.trace(q, pools, sink).lower(lowering_platforms=("cuda",)).as_text()
