@@ -39,16 +39,23 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     if layers:
         out["mega.indexer"] = _summary(layers, lambda ls: f"layers {ls}")
     spec = moe_spec(cfg)
-    sizes: dict[str, list[int]] = {}
-    for t in sorted(step_tokens):
-        sizes.setdefault(moe.plan(dtype, params["layers"][0]["moe"], spec, t * spec.top_k).path.text, []).append(t)
-    out["mega.moe"] = _summary(sizes, lambda ts: f"{ts[0]}-{ts[-1]} tokens")
-    out["mega.mhc_step"] = mhc.kernel_path(dtype, cfg.hidden_size, cfg.hc_mix_dim).text
+    out["mega.moe"] = _by_size(step_tokens, lambda t: moe.plan(dtype, params["layers"][0]["moe"], spec,
+                                                               t * spec.top_k).path.text)
+    out["mega.mhc_step"] = _by_size(step_tokens, lambda t: mhc.kernel_path(dtype, cfg.hidden_size,
+                                                                            cfg.hc_mix_dim, t).text)
     if cfg.engram_layer_ids:
         table = params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].dtype
         out["mega.engram"] = f"XLA ({jnp.dtype(table).name} table)"
     out["linears"] = f"XLA dots on {jnp.dtype(dtype).name} weights"
     return out
+
+
+def _by_size(step_tokens: Sequence[int], path) -> str:
+    """``path(tokens)`` of each step size, summarised over the sizes that share one."""
+    sizes: dict[str, list[int]] = {}
+    for t in sorted(step_tokens):
+        sizes.setdefault(path(t), []).append(t)
+    return _summary(sizes, lambda ts: f"{ts[0]}-{ts[-1]} tokens")
 
 
 def _summary(by_path: dict[str, list[int]], where) -> str:

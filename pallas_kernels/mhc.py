@@ -35,6 +35,11 @@ from jax.experimental.pallas import triton as plt
 BLOCK_T = 16      # rows a program (the fp32 dot's M)
 BLOCK_D = 64      # channels a program: four streams of [16, 64] fp32 held at once
 MIX_ROWS = 32     # the projection's outputs padded to a dot's N (V4.1: 24)
+# The rows up to which the pass beats XLA's: at 32 (a decode step of 8 requests) its one launch
+# is as busy as XLA's ten (H100, bench/RESULTS.md "Mega-mHC timed"); from 256 rows XLA's fusions
+# are faster, the IEEE fp32 dot on CUDA cores and the fn slices each row block re-reads costing
+# more than the passes they save.
+MAX_ROWS = 32
 _PARAMS = plt.CompilerParams(num_warps=4, num_stages=1)
 
 
