@@ -345,6 +345,11 @@ class Fp4Rows(NamedTuple):
     codes: jax.Array
     scale: jax.Array
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The values' shape: ``[..., d]``."""
+        return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
+
     def scale_values(self) -> jax.Array:
         raise NotImplementedError
 

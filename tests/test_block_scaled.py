@@ -1,11 +1,13 @@
 """The one power-of-two scale rule of the block-scaled formats (pallas_kernels.block_scaled)."""
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from model import quant
-from pallas_kernels.block_scaled import (FP4_MAX, FP8_MAX, Fp4Keys, e2m1_scaled, e2m1_value, mxfp4_parts,
-                                         scale_exponent)
+
+from pallas_kernels.block_scaled import (FP4_MAX, FP8_MAX, Fp4Keys, Nvfp4Rows, e2m1_scaled, e2m1_value, e4m3_from_bits,
+                                         mxfp4_parts, pack_halves, scale_exponent, stored_kind, unpack_halves)
 
 
 def _floats(exponents: tuple[int, ...]) -> np.ndarray:
@@ -51,3 +53,36 @@ def test_e2m1_scaled_builds_every_code_at_every_exponent_exactly():
     want = np.asarray(e2m1_value(jnp.asarray(code))) * np.exp2(exponent - 127.0)
     np.testing.assert_array_equal(got, want.astype(np.float32))
     assert np.signbit(got[:, 8]).all()   # -0 stays signed
+
+
+def test_nvfp4_rows_store_the_quantiser_s_values_bit_for_bit():
+    """The compressed KV's stored form gives back ``quant.nvfp4_block16``'s values bit for bit,
+    over blocks from e4m3's subnormal scales (where re-quantising the values would not be exact)
+    up to its largest, zero blocks included; 288 bytes a 512-channel row, two halves packed apart."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((300, 512)).astype(np.float32) * np.exp2(rng.integers(-14, 10, (300, 32))).repeat(16, 1)
+    x[:5] = 0.0
+    stored = Nvfp4Rows.from_float(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(stored.dequantized()), np.asarray(quant.nvfp4_block16(jnp.asarray(x))))
+    assert stored.shape == (300, 512) and stored_kind(stored) == "nvfp4"
+    assert stored.codes.nbytes // 300 + stored.scale.nbytes // 300 == 288
+    half = np.asarray(Nvfp4Rows.from_float(jnp.asarray(np.where(np.arange(512) < 256, x, 0.0))).codes)
+    assert (half[:, :128] == np.asarray(stored.codes)[:, :128]).all() and (half[:, 128:] == 0).all()
+    with pytest.raises(ValueError, match="32s"):
+        Nvfp4Rows.from_float(jnp.zeros((2, 48)))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_pack_halves_round_trips(parts):
+    codes = np.random.default_rng(parts).integers(0, 16, (3, 64)).astype(np.int32)
+    packed = np.asarray(pack_halves(jnp.asarray(codes), parts))
+    np.testing.assert_array_equal(np.asarray(unpack_halves(jnp.asarray(packed), parts)), codes)
+    width = 64 // parts   # slice p's bytes hold its channels j (low) and j + width / 2 (high)
+    np.testing.assert_array_equal(packed[:, :width // 2] & 15, codes[:, :width // 2])
+    np.testing.assert_array_equal(packed[:, :width // 2] >> 4, codes[:, width // 2:width])
+
+
+def test_e4m3_from_bits_decodes_every_byte():
+    b = np.array([i for i in range(256) if i & 127 != 127], np.int32)   # all but NaN
+    want = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e4m3_from_bits(jnp.asarray(b))), want)

@@ -13,6 +13,7 @@ from conftest import GOLDEN, REPORT
 from model.batch import pack_requests
 from model.forward import forward_jit
 from model.state import init_state
+from pallas_kernels.block_scaled import Nvfp4Rows
 from serve.engine import Engine, EngineConfig
 from serve.handle import RequestError
 
@@ -246,11 +247,14 @@ def test_logprobs_are_returned(tiny, prompts):
         assert top[0][1] >= top[1][1] >= top[2][1] and abs(lp - top[0][1]) < 1e-5  # greedy picks the top one
 
 
-def test_fp8_window_cache_gives_the_same_tokens(tiny, prompts, reference):
-    """``kv_cache_dtype="fp8_e4m3"`` stores the window ring as e4m3 + UE8M0 bytes: the window KV
-    the model fake-quantises anyway, so greedy decoding is unchanged (prefix cache on too)."""
+def test_stored_kv_cache_gives_the_same_tokens(tiny, prompts, reference):
+    """``kv_cache_dtype="fp8_e4m3"`` stores the window ring as e4m3 + UE8M0 bytes and the compressed
+    pools as NVFP4 records: the KV the model fake-quantises anyway, so greedy decoding is unchanged
+    (prefix cache on too)."""
     engine = _engine(tiny, kv_cache_dtype="fp8_e4m3", prefix_cache=True)
     assert engine.runner.state.model.window[0].values.dtype == jnp.float8_e4m3fn
+    assert all(isinstance(p, Nvfp4Rows) for p in engine.runner.state.model.comp_kv)
+    assert engine.runner.page_layout.formats == ("nvfp4", "fp4")
     assert [r.output for r in _staggered(engine, prompts)] == reference
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
@@ -286,7 +290,7 @@ def test_generate_cli(tmp_path, tiny, prompts, reference):
     rc = generate.main(["--model", str(GOLDEN / "v41_tiny"), "--input", str(tmp_path / "in.jsonl"), "--output",
                         str(tmp_path / "out.jsonl"), "--decoder-replay", "off", "--max-len", "128",
                         "--max-running", "4", "--page-size", "16", "--prefill-budget", "32", "--no-warmup",
-                        "--kv-cache-dtype", "fp8_e4m3"])   # (same tokens: the window KV is FP8 anyway)
+                        "--kv-cache-dtype", "fp8_e4m3"])   # (same tokens: the stored KV is the model's own)
     assert rc == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == [reference[0], reference[3]]

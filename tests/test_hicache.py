@@ -34,8 +34,8 @@ def prompts():
     return [rng.integers(3, 500, size=60).tolist() for _ in range(4)]
 
 
-def _engine(tiny, hicache: HiCacheConfig | None = None) -> Engine:
-    return Engine(tiny.params, tiny.cfg, EngineConfig(**BASE, hicache=hicache))
+def _engine(tiny, hicache: HiCacheConfig | None = None, kv_cache_dtype: str = "auto") -> Engine:
+    return Engine(tiny.params, tiny.cfg, EngineConfig(**BASE, hicache=hicache, kv_cache_dtype=kv_cache_dtype))
 
 
 def _run(engine, prompt) -> dict:
@@ -68,8 +68,9 @@ def _cached(result) -> int:
     return result["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_host_tier_serves_repeats_the_device_pool_lost(tiny, prompts, l1_hits):
-    engine = _engine(tiny, HiCacheConfig())
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])   # pools of values, or NVFP4 records
+def test_host_tier_serves_repeats_the_device_pool_lost(tiny, prompts, l1_hits, kv_cache_dtype):
+    engine = _engine(tiny, HiCacheConfig(), kv_cache_dtype)
     for p in prompts:
         _run(engine, p)
     pools = lambda: [np.asarray(x) for m in [engine.runner.state.model]  # noqa: E731

@@ -25,6 +25,7 @@ from pallas_kernels.block_scaled import Fp4Weight, Fp8Rows, QuantizedWeight
 from pallas_kernels.grouped_gemm import grouped_matmul_reference, grouped_swiglu_reference
 from pallas_kernels.indexer import index_scores_reference
 from pallas_kernels.mhc import mhc_pass_reference
+from pallas_kernels.sparse_attention import pool_kind
 from model.config import ModelConfig
 from serve.engine import Engine, EngineConfig
 
@@ -33,7 +34,7 @@ from serve.engine import Engine, EngineConfig
 def kernel_sized():
     cfg = ModelConfig.from_dict({
         "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 64,
-        "head_dim": 128, "q_lora_rank": 64, "qk_rope_head_dim": 64, "sliding_window": 8,
+        "head_dim": 256, "q_lora_rank": 64, "qk_rope_head_dim": 64, "sliding_window": 8,
         "compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [1],
         "candidate_topk_blocks": 64, "candidate_block_size": 2, "index_n_heads": 16, "index_head_dim": 64,
         "index_topk": 16, "o_groups": 2, "o_lora_rank": 64, "moe_intermediate_size": 128,
@@ -56,8 +57,8 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
         return index_scores_reference(q, w, keys, rows, slot, visible, scale=scale, exact_bf16=True, pass_bytes=1 << 30)
 
     def attention_kernel(q, pools, sink, scale, interpret=None):
-        dtypes = [p[0].dtype for p in pools]
-        seen["attention"].append((dtypes, mega.attention.kernel_path(q.dtype, q.shape[1], q.shape[2], dtypes).kernel))
+        kinds = [pool_kind(p) for p in pools]
+        seen["attention"].append((kinds, mega.attention.kernel_path(q.dtype, q.shape[1], q.shape[2], kinds).kernel))
         return mega.attention.sparse_mqa_reference(q, pools, sink, scale)
 
     def swiglu_kernel(x, w1, w3, block_expert, *, limit, cfg, shared=None, row_scale=None, interpret=None,
@@ -89,19 +90,20 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
     assert paths["mega.indexer"] == "pallas indexer (fp4 keys)"
     assert paths["mega.mhc_step"].startswith("pallas mHC pass at 1-") and "64 rows; the kernel" in paths["mega.mhc_step"]
-    assert ("fp8 window" in paths["mega.attention"]) == (kv_cache_dtype == "fp8_e4m3")
+    stored = kv_cache_dtype == "fp8_e4m3"
+    assert ("fp8 window, NVFP4 compressed pools" in paths["mega.attention"]) == stored
     assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
     out = engine.generate([list(range(3, 16)), list(range(20, 42))],
                           {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": True},
                           decode_text=False)
-    window = jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.bfloat16
+    window, compressed = ("fp8", "nvfp4") if stored else ("bfloat16", "bfloat16")
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
     assert seen["indexer"] * 2 == seen["moe"]   # the one index source's scoring, in every bucket traced
     assert seen["mhc"] >= 5   # every site's pass of a decode step: two a layer and the final collapse
     # --quantization fp8 / mxfp4 / w8a8: every routed and shared expert stack reaches the kernels so
     assert seen["expert_weights"] == {quantization}
-    for dtypes, fits in seen["attention"]:
-        assert fits and dtypes[0] == window and all(d == jnp.bfloat16 for d in dtypes[1:])
-    assert any(len(dtypes) == 2 for dtypes, _ in seen["attention"])   # the KV source's compressed pool
+    for kinds, fits in seen["attention"]:
+        assert fits and kinds[0] == window and all(k == compressed for k in kinds[1:])
+    assert any(len(kinds) == 2 for kinds, _ in seen["attention"])   # the KV source's compressed pool
     assert all(len(o["output_ids"]) == 2 and np.isfinite(o["token_logprobs"]).all() for o in out)

@@ -1,6 +1,6 @@
-"""The window ring in its stored FP8 form (``init_state(window_fp8=True)``) serves the same
-window KV as the plain ring: the model fake-quantises the window KV anyway, so the logits
-and the ring's dequantised rows must match the default state's."""
+"""The KV state in its stored forms (``init_state(quantized_kv=True)``: FP8 window rings, NVFP4
+compressed pools) serves the same KV as the plain state: the model fake-quantises both anyway,
+so the logits and the stored rows, dequantised, must match the default state's bit for bit."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 from model.batch import pack_requests
 from model.forward import forward_jit
 from model.state import Fp8Ring, init_state
-from pallas_kernels.block_scaled import dequantize_fp8
+from pallas_kernels.block_scaled import Nvfp4Rows, dequantize_fp8
 
 
 def _run(tiny, state, ids, calls):
@@ -25,17 +25,22 @@ def _run(tiny, state, ids, calls):
     return np.concatenate(logits), state
 
 
-def test_fp8_ring_matches_the_plain_ring(tiny):
+def test_stored_kv_matches_the_plain_state(tiny):
     ids = tiny.cases["c50_chunked"]["prompt_ids"]
     calls = [20, len(ids) - 23, 1, 1, 1]
     want, plain = _run(tiny, init_state(tiny.cfg, 1, 64, page_size=16), ids, calls)
-    got, stored = _run(tiny, init_state(tiny.cfg, 1, 64, page_size=16, window_fp8=True), ids, calls)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    got, stored = _run(tiny, init_state(tiny.cfg, 1, 64, page_size=16, quantized_kv=True), ids, calls)
+    np.testing.assert_array_equal(got, want)
     for ring, ref in zip(stored.window, plain.window):
         assert isinstance(ring, Fp8Ring) and ring.values.dtype == jnp.float8_e4m3fn and ring.scale.dtype == jnp.uint8
         np.testing.assert_array_equal(np.asarray(dequantize_fp8(ring.values, ring.scale)), np.asarray(ref))
+    assert stored.comp_kv
+    for pool, ref in zip(stored.comp_kv, plain.comp_kv):
+        assert isinstance(pool, Nvfp4Rows) and pool.codes.shape == (ref.shape[0], ref.shape[1] // 2)
+        np.testing.assert_array_equal(np.asarray(pool.dequantized()), np.asarray(ref))
+        assert np.abs(np.asarray(ref)).max() > 0   # entries were written
 
 
-def test_fp8_ring_needs_whole_scale_blocks(tiny):
+def test_stored_kv_needs_whole_scale_blocks(tiny):
     with pytest.raises(ValueError, match="head_dim"):
-        init_state(dataclasses.replace(tiny.cfg, head_dim=48), 1, 64, window_fp8=True)
+        init_state(dataclasses.replace(tiny.cfg, head_dim=48), 1, 64, quantized_kv=True)
