@@ -184,3 +184,46 @@ def fused_experts(x, w13, w2, plan, config: dict, scales=None):
     sgl.kernels.invoke_fused_moe_kernel(h2, w2, None, out, None, scales[1] if fp8 else None, None, ones, topk_ids,
                                         sorted_ids, expert_ids, post_padded, True, 1, config, **common)
     return out[0]
+
+
+def self_check(experts: int = 6, hidden: int = 512, inter: int = 256, per_expert: int = 16) -> int:
+    """The peer's launches on random rows against a torch reference, bf16 then W8A8, each launch
+    synchronised (``CUDA_LAUNCH_BLOCKING``): 0 if they agree, 1 otherwise. Run as its own process
+    (``python bench/sglang_moe.py``) by ``moe_gpu.py`` before it takes the peer, so that a launch
+    that faults (which poisons its CUDA context) costs the peer and not the benchmark."""
+    import torch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    counts = torch.full((experts,), per_expert, device=dev)
+    expert = torch.repeat_interleave(torch.arange(experts, device=dev), counts)
+    x = torch.randn(len(expert), hidden, device=dev, dtype=torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) * hidden ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, device=dev) * inter ** -0.5).to(torch.bfloat16)
+    want = torch.empty(len(expert), hidden, device=dev)
+    for e in range(experts):
+        rows = expert == e
+        h = x[rows].float() @ w13[e].float().T
+        want[rows] = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16).float() @ w2[e].float().T
+    status = 0
+    for fp8 in (False, True):
+        for label, config in configs(len(expert), experts, 2 * inter, hidden, fp8).items():
+            a, b, scales = w13, w2, None
+            if fp8:   # e4m3 weights x 16 under a 1/16 scale a 128 x 128 block (kept off e4m3's subnormals)
+                a, b = ((w.float() * 16).to(torch.float8_e4m3fn) for w in (w13, w2))
+                scales = tuple(torch.full((experts, w.shape[1] // 128, w.shape[2] // 128), 1 / 16, device=dev)
+                               for w in (w13, w2))
+            plan = (expert, align(expert, config["BLOCK_SIZE_M"], experts))
+            got = fused_experts(x, a, b, plan, config, scales).float()
+            torch.cuda.synchronize()
+            err = float((got - want).norm() / want.norm())
+            ok = err < (0.08 if fp8 else 0.02)
+            status |= not ok
+            print(f"sglang fused MoE {'w8a8' if fp8 else 'bf16'} [{label}]: rel err {err:.2e}"
+                  + ("" if ok else "  MISMATCH"), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_LAUNCH_BLOCKING", "1")
+    sys.exit(self_check())
