@@ -16,13 +16,16 @@ query chunks where one shot would not fit, which the row says). Each kernel row 
 one power-of-two scale per 32 channels as its UE8M0 byte, MODEL_SPEC §3.5, quantised from the bf16 window
 pool), the compressed pool in bf16 (the kernel has no FP4 path). Its ``rel_err`` is against the
 fp32 reference on the same fp8 pools (dequantised); ``quant_err`` is that reference against
-the bf16 one (the effect of the quantisation itself, not of the kernel).
+the bf16 one (the effect of the quantisation itself, not of the kernel). ``pallas_stored`` is
+the layout ``--kv-cache-dtype fp8_e4m3`` serves: the FP8 window and the compressed pool as
+NVFP4 records (``Nvfp4Rows``: 256 code bytes + 32 e4m3 scale bytes a row), each checked the
+same way against its own dequantised pools.
 
 Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
 (counted per request for decode). For ``pallas_fp8`` (``roofline_fp8_ms``, the row's own
 ``bytes``) a distinct window row counts D + D/32 bytes (512 values + 16 UE8M0 scale bytes)
-instead of 2*D.
+instead of 2*D, and for ``pallas_stored`` a distinct compressed row D/2 + D/16.
 Timing: ``ms`` by ``gpu_common.time_jax_sets`` (back-to-back calls, one wait, median of 5),
 rotating among input sets so that repeats do not run from L2; ``ms_one_dispatch`` by
 ``time_jax_one_dispatch`` (all input sets in one jitted call), which small cases need: there
@@ -59,7 +62,7 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
     STAGES, sparse_mqa, sparse_mqa_reference)
 from pallas_kernels.sparse_attention_tiles import TUNING, launch  # noqa: E402
 from model.quant import fp8_block32_parts  # noqa: E402
-from pallas_kernels.block_scaled import Fp8Pool, ue8m0  # noqa: E402
+from pallas_kernels.block_scaled import Fp8Pool, Nvfp4Pool, Nvfp4Rows, ue8m0  # noqa: E402
 
 L2_BYTES = 60e6
 
@@ -125,7 +128,7 @@ def run(args):
     if smoke:
         from jax._src.pallas.mosaic_gpu.interpret import params as ip
         ip.set_gpu_interpret_mode(ip.InterpretGPUParams())
-        h, d, win, topk, comp_pool = 64, 128, 64, 64, 512
+        h, d, win, topk, comp_pool = 64, 256, 64, 64, 512   # (D 256: the NVFP4 pool's least)
         cases = [("decode", 2), ("prefill", 8)]
         xla_chunk = 4
     else:
@@ -138,7 +141,7 @@ def run(args):
     info = run_info()
     ceil = ceilings(smoke=smoke)
     print("ceilings:", json.dumps(ceil), flush=True)
-    rows, roof, roof8 = [], {}, {}
+    rows, roof, roof8, roof_stored = [], {}, {}, {}
     rng = np.random.default_rng(0)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
 
@@ -156,6 +159,7 @@ def run(args):
             n_w, n_c = distinct_rows(np.asarray(w0), np.asarray(c0))
             kv_bytes = (n_w + n_c) * d * 2
             kv8_bytes = n_w * (d + d // 32) + n_c * d * 2        # fp8 window rows + their scale bytes
+            stored_bytes = n_w * (d + d // 32) + n_c * (d // 2 + d // 16)   # and NVFP4 compressed rows
             qo_bytes = 2 * t * h * d * 2
             set_bytes = kv_bytes + qo_bytes
             n_sets = 2 if smoke else min(8, max(2, math.ceil(2 * L2_BYTES / set_bytes)))
@@ -165,7 +169,10 @@ def run(args):
             roof[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes / ceil["bandwidth_GBps"] / 1e6)
             nbytes8 = kv8_bytes + qo_bytes
             roof8[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9, nbytes8 / ceil["bandwidth_GBps"] / 1e6)
-            case.update(flops=flops, bytes=nbytes, bytes_fp8=nbytes8, input_sets=n_sets)
+            roof_stored[key] = max(flops / ceil["matmul_TFLOPs"] / 1e9,
+                                   (stored_bytes + qo_bytes) / ceil["bandwidth_GBps"] / 1e6)
+            case.update(flops=flops, bytes=nbytes, bytes_fp8=nbytes8, bytes_stored=stored_bytes + qo_bytes,
+                        input_sets=n_sets)
             print(f"{key}: T={t} sets={n_sets} roofline {roof[key]:.3f} ms (fp8 window: {roof8[key]:.3f} ms)", flush=True)
         except Exception as e:  # noqa: BLE001
             rows.append({"case": case, "impl": "setup", "ms": None, "error": repr(e)})
@@ -176,8 +183,12 @@ def run(args):
         # the executable (GBs of constants and minutes of compilation)
         pools_of = lambda w, c: [(wkv, w), (ckv, c)]  # noqa: E731  (untimed reference only)
         wkv8, wsc = jax.jit(lambda x: (lambda v, s: (v, ue8m0(s)))(*fp8_block32_parts(x)))(wkv)  # FP8 window (§3.5)
+        ckv4 = jax.jit(Nvfp4Rows.from_float)(ckv)   # NVFP4 compressed rows (§3.5), as served
         sets8 = [(q_, w_, c_, wkv8, wsc, ckv) for q_, w_, c_ in sets]
+        sets4 = [(q_, w_, c_, wkv8, wsc, *ckv4) for q_, w_, c_ in sets]
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
+        stored = jax.jit(lambda q, w, c, a8, asc, codes, cs: sparse_mqa(
+            q, [Fp8Pool(a8, asc, w), Nvfp4Pool(codes, cs, c)], sink, scale))
         def kernels(**kw):   # (bf16, fp8-window) kernels; no splits=: the automatic choice
             return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, **kw)),
                     jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, **kw)))
@@ -197,19 +208,28 @@ def run(args):
         q, w, c = sets[0][:3]
         ref = sparse_mqa_reference(q[sample], pools_of(w[sample], c[sample]), sink, scale)
         ref8 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), (ckv, c[sample])], sink, scale)
+        ref4 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), Nvfp4Pool(*ckv4, c[sample])],
+                                    sink, scale)
+        forms = {   # impl prefix: (input sets, reference, bytes, roofline, note)
+            "pallas_stored": (sets4, ref4, case["bytes_stored"], roof_stored[key],
+                              "window pool fp8 e4m3 + UE8M0 bytes, compressed pool NVFP4 records"),
+            "pallas_fp8": (sets8, ref8, case["bytes_fp8"], roof8[key],
+                           "window pool fp8 e4m3 + per-32 UE8M0 scale bytes, compressed pool bf16"),
+            "": (sets, ref, case["bytes"], roof[key], None)}
 
         xla_out = None
-        variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8)]
+        variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8), ("pallas_stored", stored)]
         variants += [v for n16, n8, k16, k8 in chosen for v in ((n16, k16), (n8, k8))]
         for impl, fn in variants:
-            fp8 = impl.startswith("pallas_fp8")
-            fn_sets, impl_ref = (sets8, ref8) if fp8 else (sets, ref)
+            form = next(f for f in forms if impl.startswith(f))
+            fn_sets, impl_ref, impl_bytes, impl_roof, note = forms[form]
+            fp8 = bool(form)   # a stored form: it differs from the bf16 XLA path by quant_err
             row = {"case": case, "impl": impl, "ms": None, "rel_err": None, "error": None}
             if impl == "xla_bf16" and chunk:
                 row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
             if fp8:
-                row["note"] = "window pool fp8 e4m3 + per-32 UE8M0 scale bytes, compressed pool bf16"
-                row["quant_err"] = rel_err(ref8, ref)
+                row["note"] = note
+                row["quant_err"] = rel_err(impl_ref, ref)
             try:
                 out = jax.block_until_ready(fn(*fn_sets[0]))
                 row["finite"] = bool(jnp.isfinite(out).all())
@@ -224,8 +244,8 @@ def run(args):
                 calls = max(3, len(fn_sets))  # GPU time per call, free of host dispatch gaps
                 row.update(gpu_timeline(lambda: jax.block_until_ready(
                     [fn(*fn_sets[i % len(fn_sets)]) for i in range(calls)]), calls))
-                row["bytes"] = case["bytes_fp8"] if fp8 else case["bytes"]
-                row["roofline_ms"] = (roof8 if fp8 else roof)[key]
+                row["bytes"] = impl_bytes
+                row["roofline_ms"] = impl_roof
                 row["GBps"] = row["bytes"] / row["ms"] / 1e6
                 row["TFLOPs"] = case["flops"] / row["ms"] / 1e9
                 row["frac_of_roofline"] = row["roofline_ms"] / row["ms"]
@@ -237,29 +257,35 @@ def run(args):
         # stage removal (--stages): the bf16 kernel with one stage left out, then all of them;
         # the fp8 kernel without its dequantisation
         bf16_stages = tuple(st for st in STAGES if st != "dequant")
-        removals = [("pallas_bf16", (st,)) for st in bf16_stages] + [("pallas_bf16", bf16_stages), ("pallas_fp8", ("dequant",))]
+        removals = [("pallas_bf16", (st,)) for st in bf16_stages] + [("pallas_bf16", bf16_stages), ("pallas_fp8", ("dequant",)),
+                                                                     ("pallas_stored", ("dequant",))]
         for impl, skip in removals if args.stages else ():
             row = {"case": case, "impl": f"{impl}-skip:" + "+".join(skip), "ms": None,
                    "note": "stage-removal timing only: the output is wrong by design"}
             try:
-                if impl == "pallas_fp8":
+                if impl == "pallas_stored":
+                    fn = jax.jit(lambda q, w, c, a8, asc, codes, cs, skip=skip: sparse_mqa(
+                        q, [Fp8Pool(a8, asc, w), Nvfp4Pool(codes, cs, c)], sink, scale, skip_stages=skip))
+                elif impl == "pallas_fp8":
                     fn = jax.jit(lambda q, w, c, a8, asc, b, skip=skip: sparse_mqa(
                         q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, skip_stages=skip))
                 else:
                     fn = jax.jit(lambda q, w, c, a, b, skip=skip: sparse_mqa(q, [(a, w), (b, c)], sink, scale, skip_stages=skip))
-                row["ms"] = time_jax_sets(fn, sets8 if impl == "pallas_fp8" else sets,
+                row["ms"] = time_jax_sets(fn, forms[impl if impl != "pallas_bf16" else ""][0],
                                           **({"inner": 2, "reps": 1} if smoke else {}))
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:2000]
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del sets, sets8, xla_out
+        del sets, sets8, sets4, forms, xla_out
         # written after every case: a hang or crash later still leaves the rows so far
-        payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8}
+        payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8,
+                   "roofline_stored_ms": roof_stored}
         path = write("attention_gpu", payload)
 
-    payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8}
+    payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8,
+                   "roofline_stored_ms": roof_stored}
     path = write("attention_gpu", payload)
     print(f"\nwrote {path}\n")
     table(payload)
