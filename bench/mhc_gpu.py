@@ -7,7 +7,9 @@ are checked against each other (the streams and the next input to bf16 rounding,
 coefficients to 2e-3). Timed per call and as GPU busy time (``gpu_common.gpu_timeline``: what a
 call costs inside the model's one executable, where no host dispatch sits between calls), with
 the stage removed, XLA's launches counted, and the roofline: the streams read and written
-once, the update and the next input once, the mix weights once.
+once, the update and the next input once, the mix weights once. Beside them the pass alone
+(``pallas_kernels.mhc.mhc_pass``) at each of ``SWEEP``'s tile choices, checked against its
+reference, to pick ``TILES``.
 
     python3 bench/mhc_gpu.py            # on the GPU, writes $OUT/mhc_gpu.json
     python3 bench/mhc_gpu.py --smoke    # CPU: small shapes, the kernel interpreted
@@ -28,6 +30,10 @@ from gpu_common import (ceilings, gpu_kernels, gpu_timeline, rel_err, roofline_m
                         time_jax, write)
 
 import mega.mhc  # noqa: E402
+from pallas_kernels.mhc import TILES, Tiles, mhc_pass, mhc_pass_reference  # noqa: E402
+
+SWEEP = [TILES, Tiles(stages=2), Tiles(warps=8), Tiles(block_t=128, warps=8), Tiles(block_t=32, block_d=64),
+         Tiles(block_d=64, warps=8), Tiles(block_t=16, block_d=64)]
 
 HC, MIX = 4, 24
 
@@ -81,11 +87,30 @@ def main() -> None:
             row["kernels_us"] = gpu_kernels(fn, *data)   # (none off the GPU)
             row["x_roofline"] = row["ms"] / case["roofline_ms"]
             rows.append(row)
+        op_rows = rows[-2:]   # the operator, kernel and XLA
+        for tiles in SWEEP if not args.smoke else SWEEP[:2]:
+            streams, update, site, pre, _ = data
+            fn = jax.jit(lambda s, u, p, f, tiles=tiles: mhc_pass(s, u, p, f, eps=1e-6, tiles=tiles,
+                                                                 interpret=args.smoke))
+            pass_args = (streams, tuple(update), pre, site["fn"])
+            row = {"case": case, "impl": f"pass{list(tiles)}", "tiles": tiles._asdict()}
+            try:
+                got = jax.block_until_ready(fn(*pass_args))
+                want = mhc_pass_reference(got[0], None, pre, site["fn"], eps=1e-6)   # its own streams
+                row["err"] = {"projection": rel_err(np.asarray(got[2]), np.asarray(want[2]))}
+                row["ms"] = time_jax(fn, *pass_args)
+                row.update(gpu_timeline(lambda: jax.block_until_ready([fn(*pass_args) for _ in range(5)]), 5))
+                row["x_roofline"] = row["ms"] / case["roofline_ms"]
+            except Exception as e:  # noqa: BLE001  (a tile choice that does not compile: its row says so)
+                row["error"] = repr(e)[:1000]
+            rows.append(row)
+            print(t, row["impl"], f"{row.get('ms', float('nan')):.4f} ms",
+                  f"busy {row.get('gpu_busy_ms', float('nan')):.4f}", row.get("err", row.get("error")), flush=True)
         got, want = outs["pallas_mhc_pass"], outs["xla"]
-        rows[-2]["err"] = {"streams": rel_err(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)),
+        op_rows[0]["err"] = {"streams": rel_err(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)),
                            "input": rel_err(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)),
                            "coefficients": max(rel_err(g, w) for g, w in zip(got[2], want[2]))}
-        for row in rows[-2:]:
+        for row in op_rows:
             print(t, row["impl"], f"{row['ms']:.4f} ms", f"busy {row.get('gpu_busy_ms', float('nan')):.4f}",
                   f"{row['x_roofline']:.2f}x roofline", f"{len(row['kernels_us'])} launches", row.get("err", ""),
                   flush=True)

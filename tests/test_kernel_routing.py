@@ -88,8 +88,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
                                               dtype="bfloat16"))
     paths = engine.kernel_paths   # what the start-up log says is what runs
     assert paths["mega.attention"].startswith("pallas") and paths["mega.moe"].startswith("pallas")
-    assert paths["mega.indexer"] == "pallas indexer (fp4 keys)"
-    assert paths["mega.mhc_step"].startswith("pallas mHC pass at 1-") and "64 rows; the kernel" in paths["mega.mhc_step"]
+    assert paths["mega.indexer"] == "pallas indexer (fp4 keys)" and paths["mega.mhc_step"] == "pallas mHC pass"
     stored = kv_cache_dtype == "fp8_e4m3"
     assert ("fp8 window, NVFP4 compressed pools" in paths["mega.attention"]) == stored
     assert paths["mega.moe"].split(",")[0] == "pallas " + ("bf16" if quantization == "none" else quantization)
@@ -100,7 +99,7 @@ def test_bf16_engine_calls_the_kernels(kernel_sized, kv_cache_dtype, quantizatio
     # both layers' attention and MoE, in every bucket traced (prefill chunks and decode)
     assert len(seen["attention"]) == seen["moe"] >= 4
     assert seen["indexer"] * 2 == seen["moe"]   # the one index source's scoring, in every bucket traced
-    assert seen["mhc"] >= 5   # every site's pass of a decode step: two a layer and the final collapse
+    assert seen["mhc"] >= 5 * seen["indexer"]   # every site's pass: two a layer and the final collapse
     # --quantization fp8 / mxfp4 / w8a8: every routed and shared expert stack reaches the kernels so
     assert seen["expert_weights"] == {quantization}
     for kinds, fits in seen["attention"]:

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mega.backend
 import mega.mhc
-from pallas_kernels.mhc import BLOCK_D, BLOCK_T, chunks_per_program, mhc_pass, mhc_pass_reference
+from pallas_kernels.mhc import TILES, Tiles, mhc_pass, mhc_pass_reference, parts_for
+
+BLOCK_T, BLOCK_D = TILES.block_t, TILES.block_d
 
 EPS = 1e-6
 
@@ -39,15 +42,18 @@ def test_kernel_matches_reference(rng, t, update, site):
     check(rng, t, update, site)
 
 
-def test_programs_walk_several_chunks_at_prefill_sizes(rng):
-    """1,030 rows of 4 chunks: two programs a row block, each walking two chunks."""
-    assert chunks_per_program(1030, 4) == 2 and chunks_per_program(32, 80) == 1 and chunks_per_program(16384, 80) == 20
-    check(rng, 1030, True, True, d=4 * BLOCK_D)
+@pytest.mark.parametrize("t,tiles", [(1030, TILES), (260, Tiles(block_t=16, block_d=64))], ids=["default", "16x64"])
+def test_programs_walk_several_chunks(rng, t, tiles):
+    """17 row blocks of 16 chunks: 8 parts a row block, each walking two chunks; V4.1's decode and
+    prefill sizes split as the docstring says."""
+    assert parts_for(t, 16, tiles) == 8
+    assert parts_for(32, 160) == 160 and parts_for(1024, 160) == 16 and parts_for(16384, 160) == 1
+    check(rng, t, True, True, d=16 * tiles.block_d, tiles=tiles)
 
 
-def check(rng, t, update, site, d=2 * BLOCK_D):
+def check(rng, t, update, site, d=2 * BLOCK_D, tiles=TILES):
     args = case(rng, t, d=d, update=update, site=site)
-    got = mhc_pass(*args, eps=EPS, interpret=True)
+    got = mhc_pass(*args, eps=EPS, interpret=True, tiles=tiles)
     want = mhc_pass_reference(*args, eps=EPS)
     close(got[0], want[0], "streams", 1e-2)   # bf16: an fp32 sum in another order may round the other way
     close(got[1], want[1], "collapse", 1e-2)
@@ -83,7 +89,10 @@ def test_mhc_step_takes_the_kernel_for_bf16_streams(rng, monkeypatch):
     assert path(jnp.bfloat16, 5120, 24, 32).kernel and path(jnp.bfloat16, 5120, 0, 1).kernel
     assert "float32" in path(jnp.float32, 5120, 24, 32).text
     assert "does not tile" in path(jnp.bfloat16, BLOCK_D + 8, 24, 32).text
-    assert "faster up to" in path(jnp.bfloat16, 5120, 24, 33).text
+    assert path(jnp.bfloat16, 5120, 24, 33).kernel   # forced: wherever it lowers
+    monkeypatch.setenv("MEGAJAX_KERNELS", "auto")
+    monkeypatch.setattr(mega.backend, "on_gpu", lambda: True)
+    assert path(jnp.bfloat16, 5120, 24, 32).kernel and "faster up to" in path(jnp.bfloat16, 5120, 24, 33).text
 
 
 @pytest.mark.parametrize("t", [32, 16384], ids=["decode-8x4", "prefill-16K"])
