@@ -42,6 +42,7 @@ from serve.handle import Handle, RequestError
 from serve.hicache import HiCache, HiCacheConfig
 from serve.kv_pages import model_identity
 from serve.loaded_model import QUANTIZATIONS, LoadedModel, model_dtype
+from serve.programs import compile_threads
 from serve.request import Request
 from serve.runner import Buckets, ModelRunner, SlotReset, SpecOptions, StepInput, enable_compilation_cache
 from serve.speculative import SpecInput
@@ -913,10 +914,19 @@ class Engine:
             kept.append((t, r))
         return kept
 
-    def warmup(self, progress=None) -> int:
-        """Compile the programs of ``warmup_steps`` now (not at the first request); the rest
-        compile when first needed. Returns the number of steps run."""
-        steps = self.warmup_steps()
+    def _warmup_step(self, tokens: int) -> tuple[int, int | None]:
+        """The warm-up step of a step of ``tokens`` tokens: its bucket, and past the decode buckets
+        with replay the smallest replay tail (as ``Buckets.warmup_steps``)."""
+        b = self.buckets
+        bucket = b.tokens(tokens, False)
+        return bucket, (b.replay[0] if b.replay and bucket > b.decode[-1] else None)
+
+    def warmup(self, progress=None, tokens: list[int] | None = None) -> int:
+        """Compile the programs of ``warmup_steps`` (or of the steps of ``tokens`` tokens) now,
+        several at a time on a GPU host (``compile_threads``), not at the first request; the rest
+        compile when first needed. Returns the steps run."""
+        steps = self.warmup_steps() if tokens is None else sorted({self._warmup_step(n) for n in tokens})
+        self.runner.compile_ahead(steps, compile_threads())
         for t, r in steps:
             self.runner.step(self.runner.empty_input(t), r)
             if progress is not None:

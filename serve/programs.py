@@ -17,6 +17,12 @@ cost of each compile (mappings and RSS it added, running maximum), so ``capacity
 number of programs that keep the process under a quarter of the map limit and half the memory
 it started with. Fewer than ``MIN_PROGRAMS`` (two steps in flight, two programs each) is a
 configuration error. One cache serves the process, since the limits are the process's.
+
+``compile_ahead`` builds a set of programs before their first call, several at a time
+(``compile_threads``): tracing and lowering hold the GIL, one program after another, but XLA's
+compiles run side by side. At V4.1-Flash depth a step program takes 87-112 s to compile on an
+H100 host (bench/RESULTS.md), so a server or benchmark that needs five of them waits minutes
+less. On the CPU one at a time: the budget measures each compile's mappings.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import resource
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Hashable
@@ -198,6 +205,42 @@ class ProgramCache:
             self._held.move_to_end(key)
         return program(*args)
 
+    def compile_ahead(self, jobs: list, threads: int) -> None:
+        """Compile ``jobs`` (``(key, fn, args, statics, donate)``, each as ``run`` takes it) now,
+        ``threads`` at a time (the module docstring); keys held already, or past the budget's
+        capacity, are left to ``run``."""
+        capacity = self.budget.capacity()
+        todo = list({job[0]: job for job in jobs if job[0] not in self._held}.values())
+        if capacity is not None:
+            todo = todo[:max(0, capacity - len(self._held))]
+        if threads <= 1 or len(todo) <= 1:
+            for key, fn, args, statics, donate in todo:
+                self._compile(key, fn, args, statics, donate)
+            return
+        lowered = []
+        for key, fn, args, statics, donate in todo:
+            t0 = time.perf_counter()
+            lowered.append((key, jax.jit(partial(fn, **statics), donate_argnums=donate).lower(*args),
+                            time.perf_counter() - t0))
+
+        def build(item):
+            key, low, seconds = item
+            t0 = time.perf_counter()
+            return key, low.compile(), seconds + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            for key, program, seconds in pool.map(build, lowered):
+                self._held[key] = program
+                self._logged(key, seconds)
+        logging.getLogger("megajax").info("compiled %d programs, %d at a time, in %.1f s", len(lowered), threads,
+                                          time.perf_counter() - t0)
+
+    def _logged(self, key, seconds: float) -> None:
+        self.compile_log.append((_label(key), round(seconds, 2)))
+        logging.getLogger("megajax").info("compiled %s in %.1f s", *self.compile_log[-1])
+        self.compile_s += self.compile_log[-1][1]
+        self.compiles += 1
+
     def _compile(self, key, fn, args, statics, donate):
         self._make_room()
         maps0, rss0, t0 = process_maps(), process_rss(), time.perf_counter()
@@ -205,10 +248,7 @@ class ProgramCache:
         program = jitted.lower(*args).compile()
         if _cpu_int4_on_mesh(args):
             program = jitted   # (its first call takes this compile from the persistent cache)
-        self.compile_log.append((_label(key), round(time.perf_counter() - t0, 2)))
-        logging.getLogger("megajax").info("compiled %s in %.1f s", *self.compile_log[-1])
-        self.compile_s += self.compile_log[-1][1]
-        self.compiles += 1
+        self._logged(key, time.perf_counter() - t0)
         b = self.budget
         if maps0 is not None:
             if self.compiles == 1:
@@ -278,3 +318,12 @@ def _cpu_int4_on_mesh(args) -> bool:
     return jax.default_backend() == "cpu" and any(
         getattr(x, "dtype", None) == jax.numpy.int4 and isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
         for x in jax.tree.leaves(args))
+
+
+def compile_threads() -> int:
+    """Programs ``compile_ahead`` builds at a time: on a GPU host half its cores, up to 8 (each
+    XLA compile keeps about two busy); on the CPU one (the compiles share the cores the steps
+    run on, and the budget measures each)."""
+    if jax.default_backend() == "cpu":
+        return 1
+    return max(1, min(8, (os.cpu_count() or 2) // 2))

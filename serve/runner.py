@@ -347,23 +347,36 @@ class ModelRunner:
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             return self._step(inp, replay_rows)
 
-    def _step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
+    def _first(self, inp: StepInput, replay_rows: int | None) -> tuple:
+        """The program a step runs first, as ``ProgramCache.run`` takes it: ``(key, fn, args,
+        statics)`` of the whole step, or of the trunk before the replay tail."""
         buffer, ban, layout = pack_input(inp)
-        run, sig, cfg = self.programs.run, self.signature, self.cfg
+        sig, cfg = self.signature, self.cfg
         if replay_rows is None:
-            self.state, out = run(("step", sig, layout), plain_step,
-                                  (self.params, self.state, buffer, ban, self.engram_map),
-                                  dict(layout=layout, cfg=cfg, num_top=self.num_top, spec=self.spec), donate=(1,))
-            return out
+            return (("step", sig, layout), plain_step, (self.params, self.state, buffer, ban, self.engram_map),
+                    dict(layout=layout, cfg=cfg, num_top=self.num_top, spec=self.spec))
         h = self.handoff_rows
-        self.state, handoff = run(("trunk", sig, layout, self.replay_keep, h), trunk_step,
-                                  (self.params, self.state, buffer, self.engram_map),
-                                  dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h, spec=self.spec),
-                                  donate=(1,))
-        self.state, out = run(("tail", sig, h, replay_rows, handoff.rows.shape[0]), tail_step,
-                              (self.params, self.state, handoff, ban, self.engram_map),
-                              dict(cfg=cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
+        return (("trunk", sig, layout, self.replay_keep, h), trunk_step, (self.params, self.state, buffer, self.engram_map),
+                dict(layout=layout, cfg=cfg, keep=self.replay_keep, rows=h, spec=self.spec))
+
+    def _step(self, inp: StepInput, replay_rows: int | None) -> jax.Array:
+        self.state, out = self.programs.run(*self._first(inp, replay_rows), donate=(1,))
+        if replay_rows is None:
+            return out
+        handoff, ban = out, pack_input(inp)[1]
+        self.state, out = self.programs.run(
+            ("tail", self.signature, self.handoff_rows, replay_rows, handoff.rows.shape[0]), tail_step,
+            (self.params, self.state, handoff, ban, self.engram_map),
+            dict(cfg=self.cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
         return out
+
+    def compile_ahead(self, steps: list[tuple[int, int | None]], threads: int) -> None:
+        """The programs ``steps`` (``(tokens, replay rows)``) run first, compiled now, ``threads``
+        at a time (``ProgramCache.compile_ahead``); a replay tail, whose input is its trunk's
+        output, compiles at its first run."""
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            jobs = [(*self._first(self.empty_input(t), r), (1,)) for t, r in steps]
+            self.programs.compile_ahead(jobs, threads)
 
     def read_pages(self, pages) -> jax.Array:
         """Whole pages of the compressed pools (``kv_pages.read_pages``: row i is ``pages[i]``, padded

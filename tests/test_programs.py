@@ -72,3 +72,30 @@ def test_engine_under_a_small_cap_recompiles_with_the_same_outputs(tiny):
     assert engine.runner.compile_count > 4                   # compiled on demand beyond what it holds
     _, batched = run(None, False)                            # the cap is the engine's: None lifts it
     assert shared_programs().budget.max_programs is None and batched == want
+
+
+def test_warmup_compiles_the_steps_ahead_several_at_a_time(tiny, monkeypatch):
+    """``warmup(tokens=...)`` builds the programs those steps run first, not held yet, with the
+    compiles in threads (as on a GPU host), so running the steps compiles only the replay tails,
+    and the engine's outputs do not change."""
+    import serve.engine
+
+    prompts = [tiny.cases[n]["prompt_ids"][:k] for n, k in (("c64", 60), ("c37", 21))]
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    config = EngineConfig(max_running=2, max_len=128, page_size=16, prefill_budget=64, decoder_replay="approx",
+                          prefix_cache=False)
+    shared_programs().clear()
+    want = [o["output_ids"] for o in Engine(tiny.params, tiny.cfg, config).generate(prompts, greedy, decode_text=False)]
+    shared_programs().clear()
+    engine = Engine(tiny.params, tiny.cfg, config)
+    threads = []
+    monkeypatch.setattr(serve.engine, "compile_threads", lambda: threads.append(3) or 3)
+    programs = engine.runner.programs
+    before = programs.compiles
+    steps = engine.warmup(tokens=[1, 2, 64])   # two decode buckets and a prefill step (trunk + tail)
+    # the 1-token step the engine compiled at its start, two programs ahead, the replay tail at its run
+    assert threads and steps == 3 and programs.compiles - before == 3
+    labels = [label for label, _ in list(programs.compile_log)[-3:]]
+    assert labels[0] == "step tokens=2" and labels[1].startswith("trunk tokens=64") and labels[2].startswith("tail")
+    got = [o["output_ids"] for o in engine.generate(prompts, greedy, decode_text=False)]
+    assert got == want
