@@ -12,9 +12,9 @@ Implementations: ``pallas_bf16`` (pallas_kernels.sparse_attention.sparse_mqa) an
 query chunks where one shot would not fit, which the row says). Each kernel row carries
 ``rel_err`` against the fp32 reference (sparse_mqa_reference) on a sample of query tokens,
 ``rel_err_vs_xla`` over all tokens, and ``finite`` (no NaN/Inf anywhere in the output).
-``pallas_fp8`` is the same kernel with the V4.1 pool layout: the window pool in FP8 (e4m3 +
-one power-of-two scale per 32 channels as its UE8M0 byte, MODEL_SPEC §3.5, quantised from the bf16 window
-pool), the compressed pool in bf16 (the kernel has no FP4 path). Its ``rel_err`` is against the
+``pallas_fp8`` is the same kernel with the window pool in FP8 (e4m3 + one power-of-two scale
+per 32 channels as its UE8M0 byte, MODEL_SPEC §3.5, quantised from the bf16 window pool) and the
+compressed pool in bf16. Its ``rel_err`` is against the
 fp32 reference on the same fp8 pools (dequantised); ``quant_err`` is that reference against
 the bf16 one (the effect of the quantisation itself, not of the kernel). ``pallas_stored`` is
 the layout ``--kv-cache-dtype fp8_e4m3`` serves: the FP8 window and the compressed pool as

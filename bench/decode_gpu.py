@@ -68,7 +68,8 @@ def run(args, placement: str):
     # batch's decode step, the prefix's prefill chunk and full chunks of the budget
     t0 = time.perf_counter()
     budget = engine.config.step_tokens
-    engine.warmup(tokens=[b * (1 + DRAFTS) for b in batches] + [min(args.context, budget), budget])
+    engine.warmup(steps=[(b * (1 + DRAFTS), False) for b in batches] + [(min(args.context, budget), True),
+                                                                        (budget, True)])
     yield "setup", {"init_s": init_s, "warmup_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths,
                     "capacity": capacity(engine)}
     rng = np.random.default_rng(0)

@@ -12,7 +12,8 @@ each in its own process (the kernel choice is made when a step is traced):
 
 * ``reference``: the bf16 checkpoint, ``MEGAJAX_KERNELS=reference``, every mega operator on its XLA reference;
 * ``pallas``: ``MEGAJAX_KERNELS=pallas``, MegaAttention and MegaMoE on their kernels;
-* ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the window ring stored in FP8);
+* ``pallas_fp8``: the same with ``kv_cache_dtype="fp8_e4m3"`` (the KV state in its stored forms:
+  FP8 window rings, NVFP4 compressed pools);
 * ``fp32``: the bf16 checkpoint loaded with ``dtype="float32"`` (the reference paths): the ground
   truth of the bf16 modes' checks;
 * ``v41``, ``v41_reference``, ``v41_fp32``: the same three on the release-format checkpoint

@@ -96,8 +96,11 @@ def main() -> None:
             row = {"case": case, "impl": f"pass{list(tiles)}", "tiles": tiles._asdict()}
             try:
                 got = jax.block_until_ready(fn(*pass_args))
-                want = mhc_pass_reference(got[0], None, pre, site["fn"], eps=1e-6)   # its own streams
-                row["err"] = {"projection": rel_err(np.asarray(got[2]), np.asarray(want[2]))}
+                want = mhc_pass_reference(*pass_args, eps=1e-6)
+                own = mhc_pass_reference(got[0], None, pre, site["fn"], eps=1e-6)   # the projection of its own streams
+                row["err"] = {"streams": rel_err(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)),
+                              "collapse": rel_err(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)),
+                              "projection": rel_err(np.asarray(got[2]), np.asarray(own[2]))}
                 row["ms"] = time_jax(fn, *pass_args)
                 row.update(gpu_timeline(lambda: jax.block_until_ready([fn(*pass_args) for _ in range(5)]), 5))
                 row["x_roofline"] = row["ms"] / case["roofline_ms"]

@@ -323,9 +323,13 @@ def sglang_impls(xs, w13, w2, counts):
         print(f"sglang fused MoE unavailable: {type(e).__name__}: {e}", flush=True)
         return {}
     if not _PEER_CHECKED:   # its own process first: a faulting launch would poison this one's CUDA context
-        check = subprocess.run([sys.executable, sglang_moe.__file__], capture_output=True, text=True, timeout=300)
-        print(check.stdout + check.stderr[-3000:], flush=True)
-        _PEER_CHECKED.append(check.returncode == 0)
+        try:
+            check = subprocess.run([sys.executable, sglang_moe.__file__], capture_output=True, text=True, timeout=300)
+            print(check.stdout + check.stderr[-3000:], flush=True)
+            _PEER_CHECKED.append(check.returncode == 0)
+        except subprocess.TimeoutExpired:
+            print("sglang fused MoE self-check: no answer in 300 s", flush=True)
+            _PEER_CHECKED.append(False)
     if not _PEER_CHECKED[0]:
         print("sglang fused MoE left out: its self-check failed (above)", flush=True)
         return {}

@@ -89,7 +89,8 @@ def ue8m0(scale: jnp.ndarray) -> jnp.ndarray:
 
 
 def scale_values(s: jnp.ndarray) -> jnp.ndarray:
-    """float32 block scales from UE8M0 exponent bytes (uint8: ``2**(e - 127)``) or stored floats."""
+    """float32 block scales from UE8M0 exponent bytes (uint8: ``2**(e - 127)``) or stored floats
+    (e4m3 ones included)."""
     return pow2_from_exponent(s) if s.dtype == jnp.uint8 else s.astype(jnp.float32)
 
 
@@ -350,12 +351,9 @@ class Fp4Rows(NamedTuple):
         """The values' shape: ``[..., d]``."""
         return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
-    def scale_values(self) -> jax.Array:
-        raise NotImplementedError
-
     def dequantized(self, dtype=jnp.float32) -> jax.Array:
         values = e2m1_value(unpack_halves(self.codes, self.PARTS))
-        return (values * jnp.repeat(self.scale_values(), self.BLOCK, axis=-1)).astype(dtype)
+        return (values * jnp.repeat(scale_values(self.scale), self.BLOCK, axis=-1)).astype(dtype)
 
     def at_rows(self, rows: jax.Array):
         return type(self)(self.codes[rows], self.scale[rows])
@@ -385,9 +383,6 @@ class Fp4Keys(Fp4Rows):
         codes, exponents = mxfp4_parts(x)
         return cls(pack_halves(codes), exponents.astype(jnp.uint8))
 
-    def scale_values(self) -> jax.Array:
-        return pow2_from_exponent(self.scale)
-
 
 NVFP4_BLOCK = 16   # NVFP4: values per e4m3 scale
 
@@ -397,7 +392,8 @@ def nvfp4_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     int32 e2m1 codes and each 16-block's scale ``e4m3(max(amax, 6 * 2^-9) / 6)`` as float32."""
     *lead, k = x.shape
     b = x.astype(jnp.float32).reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    scale = e4m3_rounded(jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -9) / FP4_MAX)
+    # (held at e4m3's largest, 448: a stored scale past it would be NaN)
+    scale = e4m3_rounded(jnp.minimum(jnp.maximum(jnp.abs(b).max(-1), FP4_MAX * 2.0 ** -9) / FP4_MAX, FP8_MAX))
     codes = e2m1_code(jnp.clip(b / scale[..., None], -FP4_MAX, FP4_MAX)).reshape(x.shape)
     return codes, scale
 
@@ -421,9 +417,6 @@ class Nvfp4Rows(Fp4Rows):
             raise ValueError(f"NVFP4 rows need channels in 32s (two halves of whole blocks), got {x.shape}")
         codes, scale = nvfp4_parts(x)
         return cls(pack_halves(codes, cls.PARTS), scale.astype(jnp.float8_e4m3fn))
-
-    def scale_values(self) -> jax.Array:
-        return self.scale.astype(jnp.float32)
 
 
 def e4m3_from_bits(b: jax.Array) -> jax.Array:

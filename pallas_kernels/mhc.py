@@ -36,8 +36,9 @@ from jax.experimental.pallas import triton as plt
 
 MIX_ROWS = 32     # the projection's outputs padded to a dot's N (V4.1: 24)
 TARGET_PROGRAMS = 264   # two waves of an H100's or H200's 132 SMs
-# Up to this many rows ``auto`` takes the pass: where its last timing had it at least level with
-# XLA's fusions (bench/RESULTS.md, "Mega-mHC timed").
+# Up to this many rows ``auto`` takes the pass: where the last timing, of the pass before its dot
+# moved to the tensor cores, had it level with XLA's fusions (bench/RESULTS.md, "Mega-mHC
+# timed"); provisional until ``bench/mhc_gpu.py`` times these tiles.
 MAX_ROWS = 32
 
 

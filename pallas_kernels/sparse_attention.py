@@ -103,7 +103,7 @@ LOG2E = math.log2(math.e)
 NO_MAX = -1e30    # the running max of an empty softmax: finite, so exp2(NO_MAX - NO_MAX) = 1
 # fp8 rows in a slot are D/2 + 16 bytes apart: reading a 64x64 block in the WGMMA layout
 # (8 rows x 16 B per quarter-warp) then hits 8 distinct bank groups instead of one, and the
-# 16 bytes hold the row's D/32 UE8M0 scale bytes.
+# 16 bytes hold the row's D/32 UE8M0 scale bytes (an NVFP4 row's: its half's D/32 e4m3 bytes).
 FP8_PAD = 16
 COPY = 16         # bytes per cp.async piece
 WARPGROUP = 128   # threads
@@ -259,7 +259,7 @@ def _cp_async_gather(*, kind: str, d: int, half_rows: int = 0):
     viewed = kind != BF16
     pieces = row_bytes // COPY                    # per row
     half_pieces = pieces // 2                     # per compute warpgroup's half of D
-    tpr = min(8, half_pieces)                     # threads per row: a 128-byte line, or half an fp8 row
+    tpr = min(8, half_pieces)                     # threads per row: a 128-byte line, or a shorter half row
     step = WARPGROUP // tpr                       # rows per round of the warpgroup
     assert BLOCK_KV % step == 0 and half_pieces % tpr == 0
     pitch8 = dh + FP8_PAD

@@ -903,30 +903,26 @@ class Engine:
         """The compiled-program budget and cache counters (serve/programs.py)."""
         return self.runner.programs.info() | {"programs_in_buckets": len(self.buckets.programs())}
 
-    def warmup_steps(self) -> list[tuple[int, int | None]]:
-        """The steps ``warmup`` runs: the buckets' programs in order, as many as the budget holds."""
+    def warmup_steps(self, steps: list[tuple[int, int | None]] | None = None) -> list[tuple[int, int | None]]:
+        """The steps ``warmup`` runs: the buckets' programs in order (or ``steps``), as many as the
+        budget holds."""
         capacity = self.runner.programs.budget.capacity()
         kept, programs = [], set()
-        for t, r in self.buckets.warmup_steps():
+        for t, r in self.buckets.warmup_steps() if steps is None else steps:
             programs.update(self.buckets.programs_of(t, r))
             if capacity is not None and len(programs) > capacity:
                 break
             kept.append((t, r))
         return kept
 
-    def _warmup_step(self, tokens: int) -> tuple[int, int | None]:
-        """The warm-up step of a step of ``tokens`` tokens: its bucket, and past the decode buckets
-        with replay the smallest replay tail (as ``Buckets.warmup_steps``)."""
-        b = self.buckets
-        bucket = b.tokens(tokens, False)
-        return bucket, (b.replay[0] if b.replay and bucket > b.decode[-1] else None)
-
-    def warmup(self, progress=None, tokens: list[int] | None = None) -> int:
-        """Compile the programs of ``warmup_steps`` (or of the steps of ``tokens`` tokens) now,
-        several at a time on a GPU host (``compile_threads``), not at the first request; the rest
-        compile when first needed. Returns the steps run."""
-        steps = self.warmup_steps() if tokens is None else sorted({self._warmup_step(n) for n in tokens})
-        self.runner.compile_ahead(steps, compile_threads())
+    def warmup(self, progress=None, steps: list[tuple[int, bool]] | None = None) -> int:
+        """Compile the programs of ``warmup_steps`` (or of steps of ``(tokens, has_prefill)``, as
+        ``Buckets.step`` maps them) now, several at a time on a GPU host (``compile_threads``; one
+        process: the others of a multi-process mesh compile at the steps it sends), not at the
+        first request; the rest compile when first needed. Returns the steps run."""
+        steps = self.warmup_steps(None if steps is None else sorted({self.buckets.step(*s) for s in steps}))
+        if self.runner.broadcast is None:
+            self.runner.compile_ahead(steps, compile_threads())
         for t, r in steps:
             self.runner.step(self.runner.empty_input(t), r)
             if progress is not None:

@@ -2,7 +2,7 @@
 
 What a page holds. Only the *global* state of its ``page_size`` tokens: for every KV source, its
 ``page_size // ratio`` compressed-KV rows and as many indexer-key rows, as the pools store them (the
-keys as FP4 records), their bytes laid end to end (``PageLayout``: the sources' KV rows, then their key
+keys as FP4 records; the KV rows as NVFP4 ones under ``--kv-cache-dtype fp8_e4m3``), their bytes laid end to end (``PageLayout``: the sources' KV rows, then their key
 rows). The window rings are never stored: a hit restarts ``window`` tokens before its end and encoder
 replay rebuilds them (MODEL_SPEC §6), as for a device hit. The ratio-2 pending pair at a page's end is
 part of the format in principle, but it is always empty: page sizes are even (``EngineConfig``), so a

@@ -21,8 +21,9 @@ configuration error. One cache serves the process, since the limits are the proc
 ``compile_ahead`` builds a set of programs before their first call, several at a time
 (``compile_threads``): tracing and lowering hold the GIL, one program after another, but XLA's
 compiles run side by side. At V4.1-Flash depth a step program takes 87-112 s to compile on an
-H100 host (bench/RESULTS.md), so a server or benchmark that needs five of them waits minutes
-less. On the CPU one at a time: the budget measures each compile's mappings.
+H100 host (bench/RESULTS.md), one after another until now; how far the compiles scale side by
+side is not measured yet. On the CPU one at a time: the budget measures each compile's
+mappings (side by side it would not; ``compile_s`` then sums overlapping seconds).
 """
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ class ProgramCache:
         todo = list({job[0]: job for job in jobs if job[0] not in self._held}.values())
         if capacity is not None:
             todo = todo[:max(0, capacity - len(self._held))]
-        if threads <= 1 or len(todo) <= 1:
+        if threads <= 1 or len(todo) <= 1 or any(_cpu_int4_on_mesh(job[2]) for job in todo):
             for key, fn, args, statics, donate in todo:
                 self._compile(key, fn, args, statics, donate)
             return
@@ -321,9 +322,9 @@ def _cpu_int4_on_mesh(args) -> bool:
 
 
 def compile_threads() -> int:
-    """Programs ``compile_ahead`` builds at a time: on a GPU host half its cores, up to 8 (each
-    XLA compile keeps about two busy); on the CPU one (the compiles share the cores the steps
-    run on, and the budget measures each)."""
+    """Programs ``compile_ahead`` builds at a time: on a GPU host half its cores, up to 8 (a first
+    choice, not measured); on the CPU one (the compiles share the cores the steps run on, and the
+    budget measures each)."""
     if jax.default_backend() == "cpu":
         return 1
     return max(1, min(8, (os.cpu_count() or 2) // 2))

@@ -100,6 +100,11 @@ class Buckets:
         return ([("step", t) for t in self.decode] + [("tail", r) for r in self.replay]
                 + [(prefill, t) for t in self.prefill])
 
+    def step(self, tokens: int, has_prefill: bool) -> tuple[int, int | None]:
+        """A step of ``tokens`` tokens as the engine dispatches it, ``(bucket, replay rows)``, with
+        the smallest replay tail where a prefill step replays (its rows vary with the chunks)."""
+        return self.tokens(tokens, has_prefill), (self.replay[0] if self.replay and has_prefill else None)
+
     def programs_of(self, tokens: int, replay_rows: int | None) -> list[tuple[str, int]]:
         """The programs a step of this shape runs."""
         return [("step", tokens)] if replay_rows is None else [("trunk", tokens), ("tail", replay_rows)]
@@ -363,10 +368,10 @@ class ModelRunner:
         self.state, out = self.programs.run(*self._first(inp, replay_rows), donate=(1,))
         if replay_rows is None:
             return out
-        handoff, ban = out, pack_input(inp)[1]
+        handoff = out
         self.state, out = self.programs.run(
             ("tail", self.signature, self.handoff_rows, replay_rows, handoff.rows.shape[0]), tail_step,
-            (self.params, self.state, handoff, ban, self.engram_map),
+            (self.params, self.state, handoff, inp.ban, self.engram_map),
             dict(cfg=self.cfg, num_top=self.num_top, rows=replay_rows, spec=self.spec), donate=(1,))
         return out
 

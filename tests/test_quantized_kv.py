@@ -42,5 +42,5 @@ def test_stored_kv_matches_the_plain_state(tiny):
 
 
 def test_stored_kv_needs_whole_scale_blocks(tiny):
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="quantized_kv needs head_dim"):
         init_state(dataclasses.replace(tiny.cfg, head_dim=48), 1, 64, quantized_kv=True)
