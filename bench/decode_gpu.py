@@ -65,11 +65,12 @@ def run(args, placement: str):
         engram_placement=placement))
     init_s = time.perf_counter() - t0
     # the steps the workload runs, compiled side by side (a Flash-depth program takes ~100 s): each
-    # batch's decode step, the prefix's prefill chunk and full chunks of the budget
+    # batch's decode step and its requests' own tokens, the prefix's prefill chunk, full chunks of the budget
     t0 = time.perf_counter()
     budget = engine.config.step_tokens
-    engine.warmup(steps=[(b * (1 + DRAFTS), False) for b in batches] + [(min(args.context, budget), True),
-                                                                        (budget, True)])
+    engine.warmup(steps=[(b * (1 + DRAFTS), False) for b in batches] + [(min(b * OWN_TOKENS, budget), True)
+                                                                        for b in batches]
+                  + [(min(args.context, budget), True), (budget, True)])
     yield "setup", {"init_s": init_s, "warmup_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths,
                     "capacity": capacity(engine)}
     rng = np.random.default_rng(0)

@@ -27,16 +27,16 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import apply_rope
-from pallas_kernels.block_scaled import Fp8Pool, Nvfp4Pool, Nvfp4Rows
-from pallas_kernels.sparse_attention import pool_kind, sparse_mqa, sparse_mqa_reference
+from pallas_kernels.block_scaled import FP8, NVFP4, Fp8Pool, Nvfp4Pool, Nvfp4Rows
+from pallas_kernels.sparse_attention import BF16, pool_kind, sparse_mqa, sparse_mqa_reference
 
 
-KERNEL_POOLS = ("bfloat16", "fp8", "nvfp4")   # ``sparse_attention.pool_kind``s the kernel reads
+KERNEL_POOLS = (BF16, FP8, NVFP4)   # the pool kinds (``block_scaled.stored_kind``) the kernel reads
 
 
 def kernel_path(dtype, heads: int, head_dim: int, pool_kinds) -> backend.Path:
     """Which implementation runs for queries of ``dtype`` over KV pools of ``pool_kinds``
-    (``sparse_attention.pool_kind``: the window's, then the compressed entries')."""
+    (``block_scaled.stored_kind``: the window's, then the compressed entries')."""
     why = backend.kernels_off()
     if why is None and jnp.dtype(dtype) != jnp.bfloat16:
         why = f"{jnp.dtype(dtype).name} activations; the kernel takes bfloat16"
@@ -44,11 +44,11 @@ def kernel_path(dtype, heads: int, head_dim: int, pool_kinds) -> backend.Path:
         why = f"KV pools of {list(pool_kinds)}"
     if why is None and (heads % 64 or head_dim % 128 or head_dim > 512):
         why = f"{heads} heads x {head_dim}; the kernel takes heads in 64s and head_dim in 128s up to 512"
-    if why is None and "nvfp4" in pool_kinds and head_dim % 256:
+    if why is None and NVFP4 in pool_kinds and head_dim % 256:
         why = f"NVFP4 pools at head_dim {head_dim}; the kernel reads them at 256 or 512"
     if why is not None:
         return backend.Path.reference(why)
-    stored = {"fp8": "fp8", "nvfp4": "NVFP4"}
+    stored = {FP8: "fp8", NVFP4: "NVFP4"}
     kinds = [f"{stored[k]} {name}" for k, name in zip(pool_kinds, ("window", "compressed")) if k in stored]
     return backend.Path(True, "pallas sparse MQA" + (f" ({', '.join(kinds)} pool{'s' * (len(kinds) > 1)})"
                                                       if kinds else ""))

@@ -15,7 +15,7 @@ from model import quant
 from model.attention import candidate_width
 from model.config import ModelConfig
 from model.forward import moe_spec
-from model.state import index_pool, state_dtype
+from model.state import comp_pool, index_pool, state_dtype, window_ring
 from pallas_kernels.block_scaled import stored_kind
 
 
@@ -25,7 +25,8 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     with ``slot_tokens`` tokens of cache a request and the KV state stored as ``quantized_kv`` says
     (``model.state.init_state``)."""
     dtype = state_dtype(params)
-    pools = (["fp8", "nvfp4"] if quantized_kv else [jnp.dtype(dtype).name] * 2)[:1 + bool(cfg.kv_source_layer_ids)]
+    pools = [stored_kind(window_ring(cfg, 1, 1, dtype, quantized_kv)),
+             stored_kind(comp_pool(cfg, 1, dtype, quantized_kv))][:1 + bool(cfg.kv_source_layer_ids)]
     out = {"mega.attention": attention.kernel_path(dtype, cfg.num_attention_heads, cfg.head_dim, pools).text}
     exact = quant.fp4_block32_active(cfg.index_head_dim)
     keys = stored_kind(index_pool(cfg, 1, dtype))

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from model import quant
 from model.config import ModelConfig
 from model.engram_hash import DEAD
-from pallas_kernels.block_scaled import Fp4Keys, Nvfp4Rows
+from pallas_kernels.block_scaled import FP8, Fp4Keys, Nvfp4Rows
 
 
 class Fp8Ring(NamedTuple):
@@ -60,6 +60,7 @@ class Fp8Ring(NamedTuple):
     [B, W, head_dim / 32] uint8 UE8M0 exponents (``model.quant.fp8_block32_stored``)."""
     values: jnp.ndarray
     scale: jnp.ndarray
+    KIND = FP8
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -125,15 +126,9 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
     if quantized_kv and hd % 32:
         raise ValueError(f"quantized_kv needs head_dim divisible by the 32-channel scale block, got {hd}")
 
-    def ring():
-        if quantized_kv:
-            return Fp8Ring(jnp.zeros((batch_size, w, hd), jnp.float8_e4m3fn),
-                           jnp.full((batch_size, w, hd // 32), 127, jnp.uint8))   # scale 1
-        return jnp.zeros((batch_size, w, hd), dtype)
-
     return ModelState(
         seq_lens=jnp.zeros((batch_size,), jnp.int32),
-        window=tuple(ring() for _ in range(cfg.num_hidden_layers)),
+        window=tuple(window_ring(cfg, batch_size, w, dtype, quantized_kv) for _ in range(cfg.num_hidden_layers)),
         comp_kv=tuple(comp_pool(cfg, n_pages * page_size // r, dtype, quantized_kv) for r in ratios),
         index_k=tuple(index_pool(cfg, n_pages * page_size // r, dtype) for r in ratios),
         tail_kv=tuple(jnp.zeros((batch_size, tail_groups(r, spec_tokens), r - 1, hd), jnp.float32) for r in ratios),
@@ -149,6 +144,15 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, page_size: int =
                               else (batch_size, 0, 0), jnp.int32),
         page_size=page_size,
     )
+
+
+def window_ring(cfg: ModelConfig, batch_size: int, rows: int, dtype, quantized: bool = False):
+    """A layer's window ring of ``rows`` rows a slot: an ``Fp8Ring`` when ``quantized``, else ``dtype`` values."""
+    hd = cfg.head_dim
+    if quantized:
+        return Fp8Ring(jnp.zeros((batch_size, rows, hd), jnp.float8_e4m3fn),
+                       jnp.full((batch_size, rows, hd // 32), 127, jnp.uint8))   # scale 1
+    return jnp.zeros((batch_size, rows, hd), dtype)
 
 
 def comp_pool(cfg: ModelConfig, rows: int, dtype, quantized: bool = False):

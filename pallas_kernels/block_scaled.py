@@ -33,6 +33,8 @@ import numpy as np
 
 from pallas_kernels.qat import straight_through
 
+FP4, FP8, NVFP4 = "fp4", "fp8", "nvfp4"   # the stored formats' kinds (``stored_kind``)
+
 FP8_MAX = 448.0   # e4m3fn's largest finite value
 BLOCK = 32   # MX block: values per UE8M0 scale
 FP4_MAX = 6.0
@@ -372,6 +374,7 @@ class Fp4Keys(Fp4Rows):
     [..., d / 32]`` uint8 UE8M0 exponents. Storing a row already on the grid
     (``model.quant.fp4_block32``'s output) loses nothing: its values come back bit for bit."""
     __slots__ = ()
+    KIND = FP4
     PARTS, BLOCK = 1, BLOCK
 
     @classmethod
@@ -405,6 +408,7 @@ class Nvfp4Rows(Fp4Rows):
     of MegaAttention owns, is one run of bytes); ``scale [..., d / 16]`` float8_e4m3fn. The values
     come back as ``model.quant.nvfp4_block16`` gives them, bit for bit."""
     __slots__ = ()
+    KIND = NVFP4
     PARTS, BLOCK = 2, NVFP4_BLOCK
 
     @classmethod
@@ -430,11 +434,9 @@ def e4m3_from_bits(b: jax.Array) -> jax.Array:
 
 
 def stored_kind(pool) -> str:
-    """How a pool stores its rows: ``"fp4"`` (``Fp4Keys``), ``"nvfp4"`` (``Nvfp4Rows``) or its
-    dtype's name."""
-    if isinstance(pool, Fp4Rows):
-        return "fp4" if isinstance(pool, Fp4Keys) else "nvfp4"
-    return jnp.dtype(pool.dtype).name
+    """How a pool stores its rows: its stored format's ``KIND`` (``Fp4Keys``: ``FP4``,
+    ``Nvfp4Rows``: ``NVFP4``, ``model.state.Fp8Ring``: ``FP8``) or its values' dtype name."""
+    return getattr(type(pool), "KIND", None) or jnp.dtype(pool.dtype).name
 
 
 def dequantize_fp8(kv, scale):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.block_scaled import Fp4Keys, e2m1_scaled, stored_kind
+from pallas_kernels.block_scaled import FP4, Fp4Keys, e2m1_scaled, stored_kind
 
 BLOCK_N = 64      # entries per dot
 CHUNK = 16        # blocks per program: q is loaded once per 1024 entries
@@ -52,8 +52,8 @@ def fits(heads: int, head_dim: int, n: int, kind: str) -> bool:
     entries) a row, of keys stored as ``kind``: FP4 keys need whole 32-channel blocks in each
     half of the channels (a code byte holds a channel of each half)."""
     pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
-    return (kind in ("fp4", "bfloat16") and pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
-            and (kind != "fp4" or head_dim % 64 == 0))
+    return (kind in (FP4, "bfloat16") and pow2(heads) and pow2(head_dim) and n % BLOCK_N == 0 and n > 0
+            and (kind != FP4 or head_dim % 64 == 0))
 
 
 def _q_parts(q_ref, rows, fp4: bool) -> list:
@@ -100,7 +100,7 @@ def _check(q, keys, n: int, listed=None) -> tuple[list, bool]:
         raise ValueError(f"need bf16 q [T, H, d] with H, d powers of two >= 16 (d in 64s for FP4 keys), keys in "
                          f"bf16 or Fp4Keys, and N (or the listed entries) a multiple of {BLOCK_N}; got q {q.shape} "
                          f"{q.dtype}, keys {kind}, N = {n}")
-    return jax.tree.leaves(keys), kind == "fp4"
+    return jax.tree.leaves(keys), kind == FP4
 
 
 def group_rows(heads: int) -> int:

@@ -93,8 +93,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from pallas_kernels.block_scaled import (NVFP4_BLOCK, Nvfp4Pool, Nvfp4Rows, dequantize_fp8, e2m1_scaled,
-                                        e4m3_from_bits, pow2_from_exponent)
+from pallas_kernels.block_scaled import (FP8, NVFP4, NVFP4_BLOCK, Nvfp4Pool, Nvfp4Rows, dequantize_fp8,
+                                        e2m1_scaled, e4m3_from_bits, pow2_from_exponent)
 from pallas_kernels.compat import transposed
 from pallas_kernels.sparse_attention_tiles import HEADS, TUNING, launch
 
@@ -134,7 +134,7 @@ class Fp8View(NamedTuple):
         return view
 
 
-BF16, FP8, NVFP4 = "bfloat16", "fp8", "nvfp4"   # pool kinds
+BF16 = "bfloat16"   # a plain pool's kind: its dtype's name (``block_scaled.stored_kind``)
 
 
 class Pool(NamedTuple):
@@ -156,7 +156,8 @@ def _split_pool(pool) -> Pool:
 
 
 def pool_kind(pool) -> str:
-    """``"fp8"``, ``"nvfp4"``, or a plain pool's dtype name (the kernel's: ``"bfloat16"``)."""
+    """``FP8``, ``NVFP4`` or a plain pool's dtype name (the kernel's: ``BF16``), as ``block_scaled.stored_kind``
+    names the pool it was read from."""
     p = _split_pool(pool)
     return jnp.dtype(p.kv.dtype).name if p.kind == BF16 else p.kind
 
