@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoints.hf import load_params  # noqa: E402
+from provenance import commit  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 
@@ -80,9 +80,7 @@ def main():
     params = load_params(TINY, cfg)
     rows = [run(params, cfg, overlap, "approx") for overlap in (False, True)]
     same = rows[0].pop("outputs") == rows[1].pop("outputs")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    result = {"commit": commit, "device": f"CPU ({platform.processor() or platform.machine()}), jax {jax.__version__}",
+    result = {"commit": commit(), "device": f"CPU ({platform.processor() or platform.machine()}), jax {jax.__version__}",
               "model": "v41_tiny (fixture)", "workload": "24 requests, prompts 8-90 tokens, 8-32 new tokens, "
                                                          "max_running 8, prefill budget 128",
               "outputs_identical": same, "rows": rows}

@@ -27,22 +27,12 @@ if str(ROOT) not in sys.path:
     # the branch's kernel)
     sys.path.append(str(ROOT))
 
+from provenance import commit  # noqa: E402  (beside this module on the scripts' path)
+
 try:
     import torch
 except ImportError:  # the CPU smoke run has no torch
     torch = None
-
-
-def commit() -> str:
-    """The commit measured: ``MEGAJAX_COMMIT`` if set (pass it on the device machine, whose
-    copy of the tree may carry a stale git checkout), else this tree's HEAD."""
-    if os.environ.get("MEGAJAX_COMMIT"):
-        return os.environ["MEGAJAX_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 GPU_STATE = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import commit  # noqa: E402
 from serve.cli_args import add_engine, add_model, engine_config  # noqa: E402
 
 
@@ -128,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     file_bytes = statistics.median(f.stat().st_size for f in files) if files else None
     import jax
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = None
     result = {
-        "commit": commit, "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+        "commit": commit(), "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
         "model": args.model or "deepseek-v4.1-small", "prompt_len": args.prompt_len, "page_size": args.page_size,
         "chunked_prefill_size": engine.config.step_tokens, "decoder_replay": args.decoder_replay,
         "dtype": layout.dtype, "device_pool_tokens": engine.config.pages * args.page_size,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model.engram_vocab import tokenizer_path  # noqa: E402
+from provenance import commit, host  # noqa: E402
 from serve.fleet import launched  # noqa: E402
 
 CLIENT_ENV = {"HF_HUB_OFFLINE": "1"}   # bench_serving would look the served model's name up on the hub
@@ -123,12 +123,6 @@ def run_mode(args, mode: str, tokenizer: Path) -> dict:
             "command": shown(measured), "summary": {k: result[k] for k in SUMMARY}}
 
 
-def device() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()}-core CPU ({cpu}), {platform.platform()}, Python {platform.python_version()}"
-
-
 def client_python(venv: str | Path) -> str:
     """The interpreter of ``venv``, made with SGLang's ``bench_serving`` unless it has it."""
     python = Path(venv) / "bin" / "python"
@@ -144,11 +138,9 @@ def client_python(venv: str | Path) -> str:
 
 def conditions(bench_python: str) -> dict:
     """The commit, the machine and the versions of the client, the gateway and JAX."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
     client = subprocess.run([bench_python, "-c", "from importlib.metadata import version; print(version('sglang'))"],
                             capture_output=True, text=True, check=True).stdout.strip()
-    return {"commit": commit, "device": device(),
+    return {"commit": commit(), "device": host(),
             "versions": {"sglang (client)": client, "sglang-router": version("sglang-router"), "jax": version("jax")}}
 
 

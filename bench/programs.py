@@ -54,7 +54,7 @@ def main() -> int:
 
     import jax
 
-    from bench.gpu_common import commit
+    from provenance import commit
     from serve.default_model import SMALL_DIR
     from serve.engine import Engine, EngineConfig
     from serve.loaded_model import LoadedModel
