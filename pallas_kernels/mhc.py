@@ -164,24 +164,41 @@ def mhc_pass(streams, update, pre, fn, *, eps: float, interpret: bool = False, t
     return new_streams, c, m.reshape(t, parts, MIX_ROWS).sum(1)[:, :fn.shape[0]] * scale[:, None]
 
 
+def _mixed(weights, h):
+    """``sum_j weights[:, j] h[:, j]`` over the streams of ``h [T, hc, D]`` (fp32), ``weights``
+    [T, hc] (-> [T, D]) or [T, hc, hc] (-> [T, hc, D]), as broadcast products: one elementwise
+    fusion (a batched dot of [hc, hc] blocks was a third of XLA's GPU pass, bench/RESULTS.md)."""
+    w, hb = weights[..., None], (h if weights.ndim == 2 else h[:, :, None])
+    out = w[:, 0] * hb[:, 0]
+    for j in range(1, h.shape[1]):
+        out = out + w[:, j] * hb[:, j]
+    return out
+
+
 def expand_reference(streams, update):
     """``H'`` in XLA: ``streams`` when there is no update."""
     if update is None:
         return streams
     y, post, comb = update
-    mixed = jnp.einsum("tjk,tjd->tkd", comb, streams.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    mixed = _mixed(comb, streams.astype(jnp.float32))
     return (post[..., None] * y.astype(jnp.float32)[:, None, :] + mixed).astype(streams.dtype)
 
 
 def mhc_pass_reference(streams, update, pre, fn, *, eps: float):
-    """The pass in XLA, fp32 throughout with ``HIGHEST`` dots: the model's numerics off the GPU."""
-    highest = jax.lax.Precision.HIGHEST
+    """The pass in XLA, fp32 sums: the model's numerics off the GPU. bf16 streams are projected
+    as the kernel projects them (``_split3``: exact bf16 products on the tensor cores, then the
+    RMS factor); others by an fp32 ``HIGHEST`` dot of the normalised rows."""
     t, hc, d = streams.shape
     streams = expand_reference(streams, update)
     h = streams.astype(jnp.float32)
-    c = jnp.einsum("tk,tkd->td", pre, h, precision=highest).astype(streams.dtype)
+    c = _mixed(pre, h).astype(streams.dtype)
     if fn is None:
         return streams, c, None
     flat = h.reshape(t, hc * d)
-    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return streams, c, jnp.einsum("ti,oi->to", flat, fn, precision=highest, preferred_element_type=jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
+    if streams.dtype == jnp.bfloat16:
+        parts = jnp.concatenate(_split3(fn), axis=0)   # [3M, hc D]: one read of the rows
+        m = jnp.einsum("ti,oi->to", streams.reshape(t, hc * d), parts, preferred_element_type=jnp.float32)
+        return streams, c, m.reshape(t, 3, -1).sum(1) * inv
+    return streams, c, jnp.einsum("ti,oi->to", flat * inv, fn, precision=jax.lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)

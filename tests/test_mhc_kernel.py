@@ -62,6 +62,24 @@ def check(rng, t, update, site, d=2 * BLOCK_D, tiles=TILES):
         close(got[2], mhc_pass_reference(got[0], None, *args[2:], eps=EPS)[2], "projection", 1e-5)
 
 
+def test_reference_matches_fp32_dots(rng):
+    """The reference's own shortcuts (broadcast products for the mixing and the collapse, the bf16
+    streams projected through fn's three bf16 parts) against fp32 ``HIGHEST`` einsums of the spec's
+    formulas: what the kernel is checked against is itself checked."""
+    streams, upd, pre, fn = case(rng, 37, d=256)
+    got = mhc_pass_reference(streams, upd, pre, fn, eps=EPS)
+    hi = jax.lax.Precision.HIGHEST
+    y, post, comb = upd
+    h = post[..., None] * y.astype(jnp.float32)[:, None] + jnp.einsum("tjk,tjd->tkd", comb, streams.astype(jnp.float32),
+                                                                        precision=hi)
+    close(got[0], h, "streams", 1e-2)
+    h = got[0].astype(jnp.float32)   # the stored H', as both project it
+    close(got[1], jnp.einsum("tk,tkd->td", pre, h, precision=hi), "collapse", 1e-2)
+    flat = h.reshape(h.shape[0], -1)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + EPS)
+    close(got[2], jnp.einsum("ti,oi->to", flat, fn, precision=hi), "projection", 1e-5)
+
+
 def test_mhc_step_takes_the_kernel_for_bf16_streams(rng, monkeypatch):
     """``mega.mhc.mhc_step`` runs the kernel (here interpreted) where kernels are on, and the
     reference where they are off, with the same coefficients and normalised input; bf16 streams
