@@ -62,8 +62,9 @@ class MoeSpec:
 def route(x: jnp.ndarray, p: dict, spec: MoeSpec, image_mask: jnp.ndarray | None = None
           ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """``(weights [T, k] fp32, expert ids [T, k] int32)``."""
-    scores = jnp.sqrt(jax.nn.softplus(linear(x.astype(jnp.float32), p["gate"].astype(jnp.float32))
-                                      / spec.gate_temp))
+    # fp32 sums of exact products: bf16 rows against a bf16 gate run on the tensor cores
+    common = jnp.promote_types(x.dtype, p["gate"].dtype)
+    scores = jnp.sqrt(jax.nn.softplus(linear(x.astype(common), p["gate"].astype(common)) / spec.gate_temp))
     bias = p["bias"].astype(jnp.float32)[None]
     if image_mask is not None:
         bias = jnp.where(image_mask[:, None], p["bias_vl"].astype(jnp.float32)[None], bias)
