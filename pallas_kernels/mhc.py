@@ -10,8 +10,8 @@ Contract: ``streams`` [T, hc, D] (bf16 on the GPU), ``update`` None (the first s
 ``(y [T, D], post [T, hc] fp32, comb [T, hc, hc] fp32)``, ``pre`` [T, hc] fp32, ``fn`` None (the
 final collapse: no new mix) or [M, hc D] fp32 with M <= ``MIX_ROWS``; D a multiple of the tiles'
 ``block_d``. Returns ``(H', c, m [T, M] fp32 | None)``; H' is ``streams`` itself without an
-update. The kernel's sums differ from the reference's only in order (it scales the projection
-by the RMS factor after the dot, not its input before).
+update. The kernel's sums differ from the reference's only in order (both project bf16 streams
+through ``fn``'s three bf16 parts and apply the RMS factor after the dot).
 
 Design: a program per (block of ``block_t`` rows, part of the channels); it walks its part's
 ``block_d``-channel chunks, reading the rows' streams and update once, writing H' and c, and
