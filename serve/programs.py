@@ -220,8 +220,7 @@ class ProgramCache:
         lowered = []
         for key, fn, args, statics, donate in todo:
             t0 = time.perf_counter()
-            lowered.append((key, jax.jit(partial(fn, **statics), donate_argnums=donate).lower(*args),
-                            time.perf_counter() - t0))
+            lowered.append((key, _jitted(fn, statics, donate).lower(*args), time.perf_counter() - t0))
 
         def build(item):
             key, low, seconds = item
@@ -244,7 +243,7 @@ class ProgramCache:
     def _compile(self, key, fn, args, statics, donate):
         self._make_room()
         maps0, rss0, t0 = process_maps(), process_rss(), time.perf_counter()
-        jitted = jax.jit(partial(fn, **statics), donate_argnums=donate)
+        jitted = _jitted(fn, statics, donate)
         program = jitted.lower(*args).compile()
         if _cpu_int4_on_mesh(args):
             program = jitted   # (its first call takes this compile from the persistent cache)
@@ -319,6 +318,11 @@ def _cpu_int4_on_mesh(args) -> bool:
     return jax.default_backend() == "cpu" and any(
         getattr(x, "dtype", None) == jax.numpy.int4 and isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
         for x in jax.tree.leaves(args))
+
+
+def _jitted(fn, statics: dict, donate: tuple[int, ...]):
+    """``fn`` with its static arguments bound, jitted as every program of the cache is."""
+    return jax.jit(partial(fn, **statics), donate_argnums=donate)
 
 
 def compile_threads() -> int:
