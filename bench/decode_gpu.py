@@ -68,7 +68,7 @@ def run(args, placement: str):
     # batch's decode step and its requests' own tokens, the prefix's prefill chunk, full chunks of the budget
     t0 = time.perf_counter()
     budget = engine.config.step_tokens
-    engine.warmup(steps=[(b * (1 + DRAFTS), False) for b in batches] + [(min(b * OWN_TOKENS, budget), True)
+    engine.warmup(workload=[(b * (1 + DRAFTS), False) for b in batches] + [(min(b * OWN_TOKENS, budget), True)
                                                                         for b in batches]
                   + [(min(args.context, budget), True), (budget, True)])
     yield "setup", {"init_s": init_s, "warmup_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths,

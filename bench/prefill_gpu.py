@@ -59,7 +59,7 @@ def run(args, variant: str):
         num_pages=(args.context + requests * (own + 2 * page)) // page + 16, prefill_budget=max(sizes),
         dtype="bfloat16", balanced_routing=True, decoder_replay=replay, engram_placement=placement))
     init_s, t0 = time.perf_counter() - t0, time.perf_counter()
-    engine.warmup(steps=[(t, True) for t in sizes])   # the sizes timed, compiled side by side (~100 s each at depth 40)
+    engine.warmup(workload=[(t, True) for t in sizes])   # the sizes timed, compiled side by side (~100 s each at depth 40)
     yield "setup", {"init_s": init_s, "warmup_s": time.perf_counter() - t0, "kernel_paths": engine.kernel_paths,
                     "capacity": capacity(engine)}
     rng = np.random.default_rng(0)

@@ -915,12 +915,13 @@ class Engine:
             kept.append((t, r))
         return kept
 
-    def warmup(self, progress=None, steps: list[tuple[int, bool]] | None = None) -> int:
-        """Compile the programs of ``warmup_steps`` (or of steps of ``(tokens, has_prefill)``, as
-        ``Buckets.step`` maps them) now, several at a time on a GPU host (``compile_threads``; one
-        process: the others of a multi-process mesh compile at the steps it sends), not at the
-        first request; the rest compile when first needed. Returns the steps run."""
-        steps = self.warmup_steps(None if steps is None else sorted({self.buckets.step(*s) for s in steps}))
+    def warmup(self, progress=None, workload: list[tuple[int, bool]] | None = None) -> int:
+        """Compile the programs of ``warmup_steps`` (or of the steps a ``workload`` of ``(tokens,
+        has_prefill)`` runs first, as ``Buckets.step`` maps them) now, several at a time on a GPU
+        host (``compile_threads``; one process: the others of a multi-process mesh compile at the
+        steps it sends), not at the first request; the rest compile when first needed. Returns
+        the steps run."""
+        steps = self.warmup_steps(None if workload is None else sorted({self.buckets.step(*w) for w in workload}))
         if self.runner.broadcast is None:
             self.runner.compile_ahead(steps, compile_threads())
         for t, r in steps:

@@ -75,7 +75,7 @@ def test_engine_under_a_small_cap_recompiles_with_the_same_outputs(tiny):
 
 
 def test_warmup_compiles_the_steps_ahead_several_at_a_time(tiny, monkeypatch):
-    """``warmup(steps=...)`` builds the programs those steps run first, not held yet, with the
+    """``warmup(workload=...)`` builds the programs its steps run first, not held yet, with the
     compiles in threads (as on a GPU host), so running the steps compiles only the replay tails,
     and the engine's outputs do not change."""
     import serve.engine
@@ -92,7 +92,7 @@ def test_warmup_compiles_the_steps_ahead_several_at_a_time(tiny, monkeypatch):
     monkeypatch.setattr(serve.engine, "compile_threads", lambda: threads.append(3) or 3)
     programs = engine.runner.programs
     before = programs.compiles
-    steps = engine.warmup(steps=[(1, False), (2, False), (64, True)])   # two decode steps and a prefill (trunk + tail)
+    steps = engine.warmup(workload=[(1, False), (2, False), (64, True)])   # two decode steps and a prefill (trunk + tail)
     # the 1-token step the engine compiled at its start, two programs ahead, the replay tail at its run
     assert threads and steps == 3 and programs.compiles - before == 3
     labels = [label for label, _ in list(programs.compile_log)[-3:]]
