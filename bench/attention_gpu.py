@@ -19,7 +19,9 @@ fp32 reference on the same fp8 pools (dequantised); ``quant_err`` is that refere
 the bf16 one (the effect of the quantisation itself, not of the kernel). ``pallas_stored`` is
 the layout ``--kv-cache-dtype fp8_e4m3`` serves: the FP8 window and the compressed pool as
 NVFP4 records (``Nvfp4Rows``: 256 code bytes + 32 e4m3 scale bytes a row), each checked the
-same way against its own dequantised pools.
+same way against its own dequantised pools. ``mega_attention_stored`` is the operator the model
+calls (``mega.attention``) on those pools: the kernel plus the query RoPE and the output's inverse
+RoPE as XLA passes, so its time less ``pallas_stored``'s is what fusing them could save.
 
 Roofline per case: max(FLOPs / measured bf16 matmul rate, bytes / measured copy bandwidth),
 FLOPs = 4*T*H*S*D, bytes = q read + out write + the distinct KV rows that are gathered
@@ -63,6 +65,8 @@ from pallas_kernels.sparse_attention import (  # noqa: E402
 from pallas_kernels.sparse_attention_tiles import TUNING, launch  # noqa: E402
 from model.quant import fp8_block32_parts  # noqa: E402
 from pallas_kernels.block_scaled import Fp8Pool, Nvfp4Pool, Nvfp4Rows, ue8m0  # noqa: E402
+from mega.attention import attention as mega_attention  # noqa: E402
+from mega.primitives import apply_rope  # noqa: E402
 
 L2_BYTES = 60e6
 
@@ -189,6 +193,13 @@ def run(args):
         sets = [(q_, w_, c_, wkv, ckv) for q_, w_, c_ in sets]
         stored = jax.jit(lambda q, w, c, a8, asc, codes, cs: sparse_mqa(
             q, [Fp8Pool(a8, asc, w), Nvfp4Pool(codes, cs, c)], sink, scale))
+        # the whole operator the model calls: the query RoPE and the output's inverse RoPE around
+        # the kernel, as XLA passes (V4.1 rotates the last 64 of 512 channels)
+        angles = jnp.asarray(rng.uniform(0, 2 * np.pi, (t, 32)), jnp.float32)
+        rope = (jnp.cos(angles), jnp.sin(angles))
+        sets_rope = [(*s4, *rope) for s4 in sets4]
+        whole = jax.jit(lambda q, w, c, a8, asc, codes, cs, cos, sin: mega_attention(
+            q, cos, sin, (a8, asc), w, Nvfp4Rows(codes, cs), c, sink, scale))
         def kernels(**kw):   # (bf16, fp8-window) kernels; no splits=: the automatic choice
             return (jax.jit(lambda q, w, c, a, b: sparse_mqa(q, [(a, w), (b, c)], sink, scale, **kw)),
                     jax.jit(lambda q, w, c, a8, asc, b: sparse_mqa(q, [Fp8Pool(a8, asc, w), (b, c)], sink, scale, **kw)))
@@ -210,7 +221,13 @@ def run(args):
         ref8 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), (ckv, c[sample])], sink, scale)
         ref4 = sparse_mqa_reference(q[sample], [Fp8Pool(wkv8, wsc, w[sample]), Nvfp4Pool(*ckv4, c[sample])],
                                     sink, scale)
+        cos_s, sin_s = (x[sample][:, None] for x in rope)
+        ref_rope = apply_rope(sparse_mqa_reference(apply_rope(q[sample], cos_s, sin_s), [
+            Fp8Pool(wkv8, wsc, w[sample]), Nvfp4Pool(*ckv4, c[sample])], sink, scale), cos_s, sin_s, inverse=True)
         forms = {   # impl prefix: (input sets, reference, bytes, roofline, note)
+            "mega_attention_stored": (sets_rope, ref_rope, case["bytes_stored"], roof_stored[key],
+                                      "mega.attention on pallas_stored's pools: + the q RoPE and the output's "
+                                      "inverse RoPE as XLA passes (the fusion's stage-removal pair)"),
             "pallas_stored": (sets4, ref4, case["bytes_stored"], roof_stored[key],
                               "window pool fp8 e4m3 + UE8M0 bytes, compressed pool NVFP4 records"),
             "pallas_fp8": (sets8, ref8, case["bytes_fp8"], roof8[key],
@@ -218,7 +235,8 @@ def run(args):
             "": (sets, ref, case["bytes"], roof[key], None)}
 
         xla_out = None
-        variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8), ("pallas_stored", stored)]
+        variants = [("xla_bf16", xla), ("pallas_bf16", kernel), ("pallas_fp8", kernel8), ("pallas_stored", stored),
+                    ("mega_attention_stored", whole)]
         variants += [v for n16, n8, k16, k8 in chosen for v in ((n16, k16), (n8, k8))]
         for impl, fn in variants:
             form = next(f for f in forms if impl.startswith(f))
@@ -229,6 +247,7 @@ def run(args):
                 row["note"] = f"lax.map over {t // chunk} query chunks of {chunk}"
             if fp8:
                 row["note"] = note
+            if fp8 and impl_ref is not ref_rope:
                 row["quant_err"] = rel_err(impl_ref, ref)
             try:
                 out = jax.block_until_ready(fn(*fn_sets[0]))
@@ -278,7 +297,7 @@ def run(args):
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del sets, sets8, sets4, forms, xla_out
+        del sets, sets8, sets4, sets_rope, forms, xla_out
         # written after every case: a hang or crash later still leaves the rows so far
         payload = {**info, "ceilings": ceil, "rows": rows, "roofline_ms": roof, "roofline_fp8_ms": roof8,
                    "roofline_stored_ms": roof_stored}

@@ -1,8 +1,7 @@
 """Which implementation a mega operator runs: the Pallas kernel or the pure-jnp reference.
 
-``MEGAJAX_KERNELS`` chooses: ``auto`` (default: kernels on GPU where their size rules, from
-the benchmarks, say they win; references elsewhere), ``pallas`` (kernels wherever lowering is
-possible), ``reference``, or ``interpret`` (the
+``MEGAJAX_KERNELS`` chooses: ``auto`` (default: kernels on GPU, references elsewhere),
+``pallas`` (kernels wherever lowering is possible, CPU included), ``reference``, or ``interpret`` (the
 kernels through their interpreters on CPU, Mosaic GPU's or Pallas' own for the Triton-backend
 ones: slow, for tests). Kernels also need
 bf16 activations and tile-divisible shapes; each operator falls back to its reference
@@ -51,12 +50,6 @@ def kernels_off() -> str | None:
     if m in ("pallas", "interpret"):
         return None
     return "no GPU" if os.environ.get("MEGAJAX_KERNELS", "auto") == "auto" else f"MEGAJAX_KERNELS={m}"
-
-
-def size_rules() -> bool:
-    """Whether operators apply their measured size rules (``auto``) rather than take a kernel
-    wherever one lowers (``pallas``, ``interpret``: what tests and benchmarks force)."""
-    return os.environ.get("MEGAJAX_KERNELS", "auto") == "auto"
 
 
 def interpreting() -> bool:

@@ -6,7 +6,7 @@ the flattened stream (unweighted RMS, one ``[24, 4D]`` projection, sigmoid / 2-s
 softmax, Sinkhorn), collapse ``H'`` with the *previous* site's ``pre`` (the shifted
 pre-mix), and RMS-normalise the result into the next sublayer's input. The pass over the
 streams (expansion, statistic, projection, collapse) is ``pallas_kernels.mhc``'s kernel on
-GPU, one launch, at the sizes it is faster at (``MAX_ROWS``); the coefficients and the final norm, elementwise over ``[T, 24]`` and
+GPU, one launch; the coefficients and the final norm, elementwise over ``[T, 24]`` and
 ``[T, D]``, are XLA's.
 
 ``update`` is None for the very first site; ``site`` is None for the final collapse
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from mega import backend
 from mega.primitives import rms_norm
-from pallas_kernels.mhc import MAX_ROWS, expand_reference, fits, mhc_pass, mhc_pass_reference
+from pallas_kernels.mhc import expand_reference, fits, mhc_pass, mhc_pass_reference
 
 
 class HcMix(NamedTuple):
@@ -38,17 +38,14 @@ class Update(NamedTuple):
     comb: jnp.ndarray
 
 
-def kernel_path(dtype, hidden: int, mix_rows: int, rows: int) -> backend.Path:
-    """Which implementation runs a step's pass over ``rows`` rows of streams of ``dtype`` and
-    width ``hidden`` into a mix of ``mix_rows`` (0: the final collapse), ``pallas_kernels.mhc``'s
-    kernel or XLA."""
+def kernel_path(dtype, hidden: int, mix_rows: int) -> backend.Path:
+    """Which implementation runs a step's pass over streams of ``dtype`` and width ``hidden``
+    into a mix of ``mix_rows`` (0: the final collapse), ``pallas_kernels.mhc``'s kernel or XLA."""
     why = backend.kernels_off()
     if why is None and jnp.dtype(dtype) != jnp.bfloat16:
         why = f"{jnp.dtype(dtype).name} streams (the kernel takes bf16)"
     if why is None and not fits(hidden, mix_rows):
         why = f"hidden {hidden} or a mix of {mix_rows} rows does not tile"
-    if why is None and backend.size_rules() and rows > MAX_ROWS:
-        why = f"above {MAX_ROWS} rows XLA's fusions were as fast (pallas_kernels.mhc.MAX_ROWS)"
     return backend.Path.reference(why) if why else backend.Path(True, "pallas mHC pass")
 
 
@@ -86,7 +83,7 @@ def mhc_step(residual: jnp.ndarray, update: Update | None, site: dict | None, pr
     """Returns ``(H', x, mix)``: the updated streams, the next sublayer's normalised input
     (collapsed with ``prev_pre``) and this site's coefficients (None when ``site`` is None)."""
     fn = None if site is None else site["fn"].astype(jnp.float32)
-    if kernel_path(residual.dtype, residual.shape[-1], 0 if fn is None else fn.shape[0], residual.shape[0]).kernel:
+    if kernel_path(residual.dtype, residual.shape[-1], 0 if fn is None else fn.shape[0]).kernel:
         residual, collapsed, m = mhc_pass(residual, update, prev_pre, fn, eps=eps, interpret=backend.interpreting())
     else:
         residual, collapsed, m = mhc_pass_reference(residual, update, prev_pre, fn, eps=eps)

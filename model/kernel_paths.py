@@ -42,8 +42,7 @@ def kernel_paths(params: dict, cfg: ModelConfig, step_tokens: Sequence[int], slo
     spec = moe_spec(cfg)
     out["mega.moe"] = _by_size(step_tokens, lambda t: moe.plan(dtype, params["layers"][0]["moe"], spec,
                                                                t * spec.top_k).path.text)
-    out["mega.mhc_step"] = _by_size(step_tokens, lambda t: mhc.kernel_path(dtype, cfg.hidden_size,
-                                                                            cfg.hc_mix_dim, t).text)
+    out["mega.mhc_step"] = mhc.kernel_path(dtype, cfg.hidden_size, cfg.hc_mix_dim).text
     if cfg.engram_layer_ids:
         table = params["layers"][cfg.engram_layer_ids[0]]["engram"]["table"].dtype
         out["mega.engram"] = f"XLA ({jnp.dtype(table).name} table)"

@@ -36,19 +36,19 @@ from jax.experimental.pallas import triton as plt
 
 MIX_ROWS = 32     # the projection's outputs padded to a dot's N (V4.1: 24)
 TARGET_PROGRAMS = 264   # two waves of an H100's or H200's 132 SMs
-# Up to this many rows ``auto`` takes the pass: where the last timing, of the pass before its dot
-# moved to the tensor cores, had it level with XLA's fusions (bench/RESULTS.md, "Mega-mHC
-# timed"); provisional until ``bench/mhc_gpu.py`` times these tiles.
-MAX_ROWS = 32
 
 
 class Tiles(NamedTuple):
     block_t: int = 64    # rows a program: the dots' M
     block_d: int = 32    # channels a chunk: four streams of [64, 32] fp32 held at once
     warps: int = 4
-    stages: int = 1      # Triton's software pipelining of the chunk loop
+    stages: int = 2      # Triton's software pipelining of the chunk loop
 
 
+# bench/mhc_gpu.py's sweep (H100, bench/RESULTS.md "Mega-mHC's tiles"): two pipeline stages, the
+# next chunk's loads in flight under this one's dots, run the pass 2.6-2.9x faster than one from
+# 256 rows up, and ahead of XLA's fusions at every size from 32 to 16K rows; more warps, wider
+# chunks or taller blocks were slower.
 TILES = Tiles()
 
 

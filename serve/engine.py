@@ -223,17 +223,20 @@ class Engine:
         log.info("model dtype %s", config.model_dtype.name)
         for op, path in self.kernel_paths.items():
             log.info("%s: %s", op, path)
-        # Compile the smallest step now: its cost sizes the program budget, and a configuration
-        # that cannot fit fails here, not at a later request (serve/programs.py).
-        self.runner.programs.budget.cap(config.max_programs)
-        self.runner.step(self.runner.empty_input(self.buckets.decode[0]), None)
+        # Where programs compile one at a time (the CPU, whose JIT maps every kernel: serve/programs.py),
+        # compile the smallest step now: its cost sizes the program budget, and a configuration that
+        # cannot fit fails here, not at a later request. A GPU host's programs map little (94 mappings
+        # at Flash depth) and take minutes each there: they compile side by side at warmup.
         budget = self.runner.programs.budget
-        budget.check()
+        budget.cap(config.max_programs)
+        if compile_threads() == 1:
+            self.runner.step(self.runner.empty_input(self.buckets.decode[0]), None)
+            budget.check()
         n_programs = len(self.buckets.programs())
-        log.info(
-            "compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%d "
-            "mappings a program measured, under %s)", min(budget.capacity() or n_programs, n_programs),
-            n_programs, budget.map_cost, budget.limits() or "no known limit")
+        log.info("compiled programs: %s of the %d bucket programs held at once, the rest compiled on demand (%s)",
+                 min(budget.capacity() or n_programs, n_programs), n_programs,
+                 f"{budget.map_cost} mappings a program measured, under {budget.limits() or 'no known limit'}"
+                 if budget.map_cost else "not measured: compiled side by side")
         self.scorer = Scorer(self.model, self.runner.programs)   # whole sequences, no KV pool
         # what must agree for another engine's pages to be valid here (hicache's storage, disaggregation)
         self.page_identity = model_identity(cfg, params, self.runner.page_layout, config.quantization)

@@ -75,9 +75,9 @@ def test_engine_under_a_small_cap_recompiles_with_the_same_outputs(tiny):
 
 
 def test_warmup_compiles_the_steps_ahead_several_at_a_time(tiny, monkeypatch):
-    """``warmup(workload=...)`` builds the programs its steps run first, not held yet, with the
-    compiles in threads (as on a GPU host), so running the steps compiles only the replay tails,
-    and the engine's outputs do not change."""
+    """On a GPU host (compiles in threads) the engine compiles nothing at its start, and
+    ``warmup(workload=...)`` builds the programs its steps run first side by side, so running the
+    steps compiles only the replay tails; the engine's outputs do not change."""
     import serve.engine
 
     prompts = [tiny.cases[n]["prompt_ids"][:k] for n, k in (("c64", 60), ("c37", 21))]
@@ -87,15 +87,17 @@ def test_warmup_compiles_the_steps_ahead_several_at_a_time(tiny, monkeypatch):
     shared_programs().clear()
     want = [o["output_ids"] for o in Engine(tiny.params, tiny.cfg, config).generate(prompts, greedy, decode_text=False)]
     shared_programs().clear()
-    engine = Engine(tiny.params, tiny.cfg, config)
     threads = []
     monkeypatch.setattr(serve.engine, "compile_threads", lambda: threads.append(3) or 3)
-    programs = engine.runner.programs
+    programs = shared_programs()
     before = programs.compiles
+    engine = Engine(tiny.params, tiny.cfg, config)
+    assert programs.compiles == before and not programs.held()
     steps = engine.warmup(workload=[(1, False), (2, False), (64, True)])   # two decode steps and a prefill (trunk + tail)
-    # the 1-token step the engine compiled at its start, two programs ahead, the replay tail at its run
-    assert threads and steps == 3 and programs.compiles - before == 3
-    labels = [label for label, _ in list(programs.compile_log)[-3:]]
-    assert labels[0] == "step tokens=2" and labels[1].startswith("trunk tokens=64") and labels[2].startswith("tail")
+    # three programs ahead, the replay tail at its run
+    assert threads and steps == 3 and programs.compiles - before == 4
+    labels = [label for label, _ in list(programs.compile_log)[-4:]]
+    assert labels[:2] == ["step tokens=1", "step tokens=2"] and labels[2].startswith("trunk tokens=64")
+    assert labels[3].startswith("tail")
     got = [o["output_ids"] for o in engine.generate(prompts, greedy, decode_text=False)]
     assert got == want
