@@ -46,9 +46,9 @@ class Tiles(NamedTuple):
 
 
 # bench/mhc_gpu.py's sweep (H100, bench/RESULTS.md "Mega-mHC's tiles"): two pipeline stages, the
-# next chunk's loads in flight under this one's dots, run the pass 2.6-2.9x faster than one from
-# 256 rows up, and ahead of XLA's fusions at every size from 32 to 16K rows; more warps, wider
-# chunks or taller blocks were slower.
+# next chunk's loads in flight under this one's dots, run the pass 2.1-2.8x faster than one from
+# 256 rows up, level with or ahead of XLA's fusions at every size from 32 to 16K rows; more warps,
+# wider chunks, taller or shorter blocks were slower.
 TILES = Tiles()
 
 
