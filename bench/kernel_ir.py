@@ -26,7 +26,7 @@ from jax._src.interpreters import mlir as jax_mlir  # noqa: E402  (a context wit
 from jax._src.lib.mlir import ir  # noqa: E402
 from jax.experimental.mosaic import gpu as mgpu  # noqa: E402
 
-from pallas_kernels.block_scaled import Fp4Weight, Fp8Pool, Fp8Rows, QuantizedWeight, scale_row  # noqa: E402
+from pallas_kernels.block_scaled import Fp4Weight, Fp8Pool, Fp8Rows, Nvfp4Pool, QuantizedWeight, scale_row  # noqa: E402
 from pallas_kernels.grouped_gemm import GemmConfig, grouped_matmul, grouped_swiglu  # noqa: E402
 from pallas_kernels.grouped_gemm_tiles import TILES  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_mqa  # noqa: E402
@@ -92,16 +92,19 @@ def _squeeze(w):
 def attention_variants():
     """(name, jitted function, argument shapes) of each MegaAttention variant: a window pool and a
     compressed pool of every kind mix, with one split per query or four, one CTA per item or persistent."""
-    def pool(t, n, s, fp8):
+    def pool(t, n, s, kind):
         idx = SDS((t, s), jnp.int32)
-        if fp8:
+        if kind == "fp8":
             return Fp8Pool(SDS((n, HEAD_DIM), jnp.float8_e4m3fn), SDS((n, HEAD_DIM // 32), jnp.uint8), idx)
+        if kind == "nvfp4":
+            return Nvfp4Pool(SDS((n, HEAD_DIM // 2), jnp.uint8), SDS((n, HEAD_DIM // 16), jnp.float8_e4m3fn), idx)
         return SDS((n, HEAD_DIM), jnp.bfloat16), idx
 
-    for kinds in ("bf16", "fp8+bf16", "fp8"):
-        fp8 = {"bf16": (False, False), "fp8+bf16": (True, False), "fp8": (True, True)}[kinds]
+    # (window pool, compressed pool) kinds: "fp8+nvfp4" is the stored layout V4.1 serves
+    for kinds in ("bf16", "fp8+bf16", "fp8", "fp8+nvfp4", "bf16+nvfp4"):
+        window, comp = kinds.split("+") if "+" in kinds else (kinds, kinds)
         for t, splits, ctas in ((256, 1, 256), (4096, 1, 132), (32, 4, None)):
-            pools = [pool(t, n, s, f) for (n, s), f in zip([(128 * 256, 128), (32768 * 64, 512)], fp8)]
+            pools = [pool(t, n, s, k) for (n, s), k in zip([(128 * 256, 128), (32768 * 64, 512)], (window, comp))]
             yield (f"sparse_mqa/{kinds}/t={t},splits={splits},ctas={ctas}",
                    jax.jit(lambda q, p, s, splits=splits, ctas=ctas: sparse_mqa(
                        q, p, s, HEAD_DIM ** -0.5, splits=splits, ctas=ctas)),
