@@ -22,6 +22,8 @@ Tuning and launch: ``sparse_attention_tiles``.
 
 Design: one CTA item per (query token, group of 64 heads[, key split]); three warpgroups
 -------------------------------------------------------------------------------------
+(In the code: ``_Plan`` deals the items and chunks, ``_producer`` and ``_compute`` are the
+warpgroups, ``_scratch`` lays out shared memory, ``_body`` starts the three.)
 * MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
   FlashMLA); keys stream through in chunks of ``block_kv`` gathered rows with an online
   softmax. The sink is the softmax's starting state (running max ``m = sink``, sum ``l = 1``,
@@ -80,7 +82,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -358,6 +360,468 @@ def _wait_parity(parity: int):
 
 
 STAGES = ("row_copies", "dequant", "exchange", "mma")
+# Register layouts: TILE is the wgmma accumulator layout, ROW a per-head vector (one value per
+# accumulator row), COL a per-key vector.
+TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # q, out and K/V tiles in shared memory
+
+
+class _Plan(NamedTuple):
+    """A launch's static plan: the pools' kinds and key chunks, and how the (query token, head
+    group, split) items are dealt to the CTAs. The producer and the compute warpgroups walk it alike."""
+    t_len: int
+    n_heads: int
+    d: int
+    kinds: tuple[str, ...]      # each pool's kind
+    n_chunks: tuple[int, ...]   # each pool's key chunks of BLOCK_KV
+    splits: int
+    ctas: int
+    qk_scale: float             # scale * log2(e): the softmax runs in base 2 (exp2)
+    interpreting: bool
+    skip: frozenset
+
+    @property
+    def dh(self) -> int:        # D columns per compute warpgroup
+        return self.d // 2
+
+    @property
+    def view(self) -> Fp8View:
+        return Fp8View.for_half_width(self.dh)
+
+    @property
+    def n_total(self) -> int:   # key chunks a query reads
+        return sum(self.n_chunks)
+
+    @property
+    def chunk0(self) -> list[int]:   # each pool's first global chunk
+        return [sum(self.n_chunks[:p]) for p in range(len(self.n_chunks))]
+
+    @property
+    def per_split(self) -> int:   # chunks per split (the last may have fewer)
+        return -(-self.n_total // max(self.splits, 1))
+
+    @property
+    def n_items(self) -> int:
+        return self.n_heads // HEADS * self.splits * self.t_len
+
+    @property
+    def per_cta(self) -> int:     # items per CTA (the last ones may have one less)
+        return -(-self.n_items // self.ctas)
+
+    @property
+    def viewed(self) -> bool:     # the fp8 view over the K/V slots is needed
+        return any(kind != BF16 for kind in self.kinds)
+
+    def cast(self, x, layout):
+        """``plgpu.layout_cast``, which the 0.10 interpreter lacks."""
+        return x if self.interpreting else plgpu.layout_cast(x, layout)
+
+
+class _InlineOps(NamedTuple):
+    """The kernel's inline Mosaic GPU code (compiled only: the interpreter runs none)."""
+    gather_bf16: Callable
+    gather_viewed: dict
+    init_full_barriers: Callable
+    arrive_on_landing: Callable
+    wait_parity: list
+
+    @classmethod
+    def make(cls, plan: _Plan) -> "_InlineOps":
+        one_ref = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+        return cls(
+            plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(TILED)))(
+                _cp_async_gather(kind=BF16, d=plan.d)),
+            {kind: plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
+                _cp_async_gather(kind=kind, d=plan.d, half_rows=plan.view.half_rows)) for kind in (FP8, NVFP4)},
+            one_ref(_init_full_barriers), one_ref(_arrive_on_landing),
+            [one_ref(_wait_parity(k)) for k in (0, 1)])
+
+
+class _Refs(NamedTuple):
+    """The kernel's global-memory operands."""
+    q: object
+    sink: object
+    pools: list            # (kv, scale or None, idx) each
+    out: object
+    stats: object          # the splits' (m, l); None with one split
+
+
+class _Scratch(NamedTuple):
+    """Shared memory and barriers (``_scratch``)."""
+    q_smem: object         # q, then the output tile, per compute warpgroup
+    kt: object             # K/V slots as bf16 tiles
+    v8: object             # ... their fp8 view (None without one)
+    s8: object             # ... and the same bytes as uint8
+    xch: object            # the logit exchange
+    small: object          # ID_SLOTS chunks' row ids, then the sink's bits
+    full: object           # a slot is full: plain mbarriers (compiled) or Pallas barriers (interpreted)
+    q_bar: object          # q and sink landed
+    ids_bar: object        # a chunk's ids landed
+    free_bar: object       # a slot is free
+    sync_bar: object       # the compute warpgroups' meeting
+    q_free: object         # the q tiles are free (the next item's q may land)
+    land_bar: object = None   # interpreted: the producer's row copies
+
+    def full_at(self, slot):   # (8 bytes each)
+        return self.full.at[pl.ds(2 * slot, 2)]
+
+    def ids_slot(self, g):
+        return self.small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]
+
+
+SINK_AT = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)   # the sink's place in ``_Scratch.small``
+
+
+def _fp8_row(view: Fp8View, slot, half):
+    return slot * view.slot_rows + half * view.half_rows
+
+
+def _for_my_items(plan: _Plan, cta, fn):
+    """``fn(k, t, hg, sp)`` for this CTA's k-th item (query token ``t``, head group ``hg``,
+    split ``sp``), items ``cta + k * ctas`` in order, tokens fastest (CTAs that run
+    together share KV rows in L2). A static trip count with a guard: loops with traced
+    bounds hang the JAX 0.10 Mosaic GPU interpreter."""
+    t_len, splits = plan.t_len, plan.splits
+
+    @pl.loop(0, plan.per_cta)
+    def _(k):
+        i = cta + k * plan.ctas
+        pl.when(i < plan.n_items)(lambda: fn(k, i % t_len, i // (t_len * splits), i // t_len % splits))
+
+
+def _for_my_split(plan: _Plan, sp, fn):
+    """``fn(s, lo, hi, local)`` for split ``sp``: global chunks [lo, hi), and ``local[p]``
+    the part of pool p. One static branch per split (traced loop bounds: see above)."""
+    for s in range(plan.splits):
+        lo, hi = s * plan.per_split, min((s + 1) * plan.per_split, plan.n_total)
+        local = [(min(max(lo - c0, 0), nc), min(max(hi - c0, 0), nc)) for c0, nc in zip(plan.chunk0, plan.n_chunks)]
+        if plan.splits == 1:
+            fn(s, lo, hi, local)
+        else:
+            pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
+
+
+def _producer(plan: _Plan, ops: _InlineOps, refs: _Refs, sc: _Scratch, cta):
+    """The producer warpgroup: each item's q and sink, then its chunks' row ids and rows into
+    the K/V slots, one chunk ahead of the compute warpgroups."""
+    plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+    dh, d, view, interpreting = plan.dh, plan.d, plan.view, plan.interpreting
+
+    def load_q(t, heads):
+        for w in range(2):
+            plgpu.copy_gmem_to_smem(refs.q.at[t, heads, pl.ds(w * dh, dh)], sc.q_smem.at[w], sc.q_bar)
+        # The sink (as int32 bits) shares the small index buffer: every allocation is
+        # rounded up to 1 KB.
+        plgpu.copy_gmem_to_smem(refs.sink.at[heads], sc.small.at[SINK_AT], sc.q_bar)
+
+    def hand_over(g):
+        """Chunk ``g``'s copies are out: its slot is full when they have landed."""
+        if interpreting:   # (the copies were waited for)
+            plgpu.barrier_arrive(sc.full.at[g % SLOTS])
+        else:
+            ops.arrive_on_landing(sc.full_at(g % SLOTS))
+
+    def gather(kind, kv_ref, scale_ref, ids_ref, slot):
+        if not interpreting:
+            if kind == BF16:
+                ops.gather_bf16(kv_ref, ids_ref, sc.kt.at[slot])
+            else:
+                rows = pl.ds(_fp8_row(view, slot, 0), view.half_rows + BLOCK_KV)
+                ops.gather_viewed[kind](kv_ref, ids_ref, sc.v8.at[rows], scale_ref)
+            return
+        # The interpreter runs no inline Mosaic GPU code: one copy per row and half,
+        # then (fp8, NVFP4) one per row and half for the scale bytes, waiting after each round.
+        view_row = lambda j, w: pl.ds(_fp8_row(view, slot, w) + j, 1)  # noqa: E731
+        if kind == BF16:
+            rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
+                       lambda j, w: sc.kt.at[slot, w, pl.ds(j, 1)])]
+        elif kind == FP8:
+            rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
+                       lambda j, w: sc.v8.at[view_row(j, w), pl.ds(0, dh)]),
+                      (lambda row, w: scale_ref.at[pl.ds(row, 1)],
+                       lambda j, w: sc.s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
+        else:
+            rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh // 2, dh // 2)],
+                       lambda j, w: sc.s8.at[view_row(j, w), pl.ds(0, dh // 2)]),
+                      (lambda row, w: scale_ref.at[pl.ds(row, 1), pl.ds(w * d // 32, d // 32)],
+                       lambda j, w: sc.s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
+        for src, dst in rounds:
+            @pl.loop(0, BLOCK_KV)
+            def _row(j, src=src, dst=dst):
+                row = jnp.maximum(ids_ref[j], 0)
+                for w in range(2):
+                    plgpu.copy_gmem_to_smem(src(row, w), dst(j, w), sc.land_bar)
+            plgpu.barrier_wait(sc.land_bar)
+
+    @functools.partial(_for_my_items, plan, cta)
+    def _item(k, t, hg, sp):
+        heads = pl.ds(hg * HEADS, HEADS)
+        base = k * plan.n_total   # this item's chunk numbers start here
+
+        def fetch_ids(p, c, g):
+            """Row ids of chunk ``c`` of pool ``p`` (chunk number ``g``) into their slot."""
+            plgpu.copy_gmem_to_smem(refs.pools[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
+                                    sc.ids_slot(g), sc.ids_bar.at[g % ID_SLOTS])
+
+        pl.when(k == 0)(lambda: load_q(t, heads))
+
+        def produce(s, lo, hi, local):
+            live = [p for p, (a, b) in enumerate(local) if b > a]
+            if not live:
+                return
+            fetch_ids(live[0], local[live[0]][0], base + lo)   # the first chunk's ids
+            for p in live:
+                kv_ref, scale_ref, _ = refs.pools[p]
+                kind = plan.kinds[p]
+                end = local[p][1]
+                # the next chunk is the next pool's first if this pool ends inside the range
+                nxt = next((q for q in live if q > p), None) if plan.chunk0[p] + end < hi else None
+
+                @pl.loop(*local[p])
+                def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt, kind=kind):
+                    g = base + plan.chunk0[p] + c
+                    # the slot's previous chunk (g - 2) is released after both PVs
+                    pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(sc.free_bar.at[g % SLOTS]))
+                    plgpu.barrier_wait(sc.ids_bar.at[g % ID_SLOTS])
+                    # the next chunk's id slot last served chunk g - 2: released too
+                    pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
+                    if nxt is not None:
+                        pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
+                    if "row_copies" not in plan.skip:
+                        gather(kind, kv_ref, scale_ref, sc.ids_slot(g), g % SLOTS)
+                    hand_over(g)
+
+                    # A later item's q goes where the last item's output tiles were
+                    # stored from (and its sink over the last one's, read at its start):
+                    # once those stores have read them, after this item's first chunk
+                    # is on its way.
+                    @pl.when((k > 0) & (g == base + lo))
+                    def _():
+                        plgpu.barrier_wait(sc.q_free)
+                        load_q(t, heads)
+
+            # Observe the last releases: the interpreter checks that every phase is
+            # seen, and compiled, this keeps the producer alive until its last copies
+            # have landed.
+            @pl.when(cta + (k + 1) * plan.ctas >= plan.n_items)   # my last item
+            def _():
+                for j in range(SLOTS):
+                    g = base + hi - SLOTS + j
+                    pl.when(g >= lo)(lambda g=g: plgpu.barrier_wait(sc.free_bar.at[g % SLOTS]))
+
+        _for_my_split(plan, sp, produce)
+
+
+def _dequantize(plan: _Plan, sc: _Scratch, kind: str, slot, wg):
+    """This warpgroup's fp8 or NVFP4 half of the chunk -> bf16 tiles over the same bytes."""
+    dh, interpreting, cast = plan.dh, plan.interpreting, plan.cast
+    rows = pl.ds(_fp8_row(plan.view, slot, wg), BLOCK_KV)
+    vals, raw, tile = sc.v8.at[rows], sc.s8.at[rows], sc.kt.at[slot, wg]
+    col = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE)
+
+    def scale_byte(c):   # a byte of each row (ROW layout)
+        if interpreting:
+            return raw[pl.ds(0, BLOCK_KV), c]
+        # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
+        return plgpu.load(raw, (pl.ds(0, BLOCK_KV), c), layout=ROW, optimized=False)
+
+    def scaled(values, scales):
+        """[64, 64] values times their column group's per-row scale (equal groups)."""
+        group = 64 // len(scales)
+        s = lax.broadcast_in_dim(scales[-1], values.shape, [0])
+        for i in reversed(range(len(scales) - 1)):
+            s = jnp.where(col < group * (i + 1), lax.broadcast_in_dim(scales[i], values.shape, [0]), s)
+        return (values * s).astype(jnp.bfloat16)
+
+    if kind == FP8:   # the row's UE8M0 bytes, this half's from wg * dh / 32 on
+        pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
+        scales = [pow2_from_exponent(scale_byte(dh + wg * dh // 32 + i)) for i in range(dh // 32)]
+        plgpu.commit_smem()   # all four warps have read the bytes before any is overwritten
+        for k, piece in enumerate(pieces):
+            tile[:, pl.ds(k * 64, 64)] = scaled(piece.astype(jnp.float32), scales[2 * k:2 * k + 2])
+    else:             # code byte j: channels j (low nibble) and j + dh / 2 (high)
+        pieces = [cast(raw[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 128)]
+        scales = [e4m3_from_bits(scale_byte(dh + i).astype(jnp.int32))
+                  for i in range(dh // NVFP4_BLOCK)]
+        plgpu.commit_smem()
+        for k, piece in enumerate(pieces):
+            c = piece.astype(jnp.int32)
+            for at, code in ((k * 64, c & 15), (dh // 2 + k * 64, c >> 4)):
+                g = at // NVFP4_BLOCK
+                tile[:, pl.ds(at, 64)] = scaled(e2m1_scaled(code, 127), scales[g:g + 4])
+    plgpu.commit_smem()
+
+
+def _compute(plan: _Plan, ops: _InlineOps, refs: _Refs, sc: _Scratch, cta, wg):
+    """A compute warpgroup: per item, its half of D through QK^T, the logit exchange, the
+    online softmax and P @ V over every chunk, then its output tile (or split partial)."""
+    plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+    dh, interpreting, cast, skip = plan.dh, plan.interpreting, plan.cast, plan.skip
+    cols = pl.ds(wg * dh, dh)
+
+    def sync():  # both compute warpgroups meet here
+        plgpu.barrier_arrive(sc.sync_bar)
+        plgpu.barrier_wait(sc.sync_bar)
+
+    def wait_full(g, lo):
+        """Chunk ``g`` (of a split starting at chunk ``lo``) has landed in its slot."""
+        if interpreting:
+            plgpu.barrier_wait(sc.full.at[g % SLOTS])
+            return
+        # the slot's barrier completes once per chunk in it: phase (g - lo) // SLOTS
+        for parity in (0, 1):
+            pl.when(lax.div(g - lo, SLOTS) % 2 == parity)(lambda: ops.wait_parity[parity](sc.full_at(g % SLOTS)))
+        plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
+
+    @functools.partial(_for_my_items, plan, cta)
+    def _item(k, t, hg, sp):
+        heads = pl.ds(hg * HEADS, HEADS)
+        base = k * plan.n_total
+        plgpu.barrier_wait(sc.q_bar)
+        sink2 = lax.bitcast_convert_type(cast(sc.small[SINK_AT], ROW), jnp.float32) * LOG2E
+
+        def consume(s, lo, hi, local):
+            # Split 0 starts from the sink; the others from an empty softmax, with a finite
+            # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
+            carry = (
+                cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
+                sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
+                cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
+            )
+            # the producer walks the same pools and chunks in the same order
+            for (c_lo, c_hi), kind, g0 in zip(local, plan.kinds, plan.chunk0):
+
+                def chunk(c, carry, kind=kind, g0=g0):
+                    acc, m, l = carry
+                    g = base + g0 + c
+                    slot = g % SLOTS
+                    plgpu.barrier_wait(sc.ids_bar.at[g % ID_SLOTS])
+                    wait_full(g, lo)
+                    ids = cast(sc.ids_slot(g)[...], COL)
+                    if kind != BF16 and "dequant" not in skip:
+                        _dequantize(plan, sc, kind, slot, wg)
+                    my_kt = sc.kt.at[slot, wg]
+                    # q's tile through a zero loaded here: with a loop-invariant index,
+                    # LLVM hoists all 16 wgmma descriptors of q (32 registers) out of the loop
+                    my_q = sc.q_smem.at[wg if interpreting else wg + sc.full[2 * SLOTS]]
+                    if "mma" in skip:
+                        s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
+                    else:
+                        s_part = _mma(None, my_q, my_kt, transpose_b=True, interpreting=interpreting)
+                    if "exchange" in skip:
+                        s = s_part * plan.qk_scale
+                    else:
+                        sync()                      # the other WG has read my previous partial
+                        sc.xch[wg] = s_part
+                        sync()                      # both partials are written
+                        s = (s_part + cast(sc.xch[1 - wg], TILE)) * plan.qk_scale
+                    valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
+                    s = jnp.where(valid, s, -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l = l * alpha + prob.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    if "mma" not in skip:
+                        acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False,
+                                   interpreting=interpreting)
+                    plgpu.barrier_arrive(sc.free_bar.at[slot])   # the slot is ours no more
+                    return acc, m_new, l
+
+                carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
+            acc, m, l = carry
+            # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
+            # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
+            out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+            sc.q_smem[wg] = out.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            if plan.splits == 1:
+                plgpu.copy_smem_to_gmem(sc.q_smem.at[wg], refs.out.at[t, heads, cols])
+            else:
+                plgpu.copy_smem_to_gmem(sc.q_smem.at[wg], refs.out.at[s, t, heads, cols])
+
+                if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
+                    sync()
+
+                @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
+                def _stats():
+                    sc.small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
+                    sc.small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(sc.small.at[pl.ds(0, 2 * HEADS)], refs.stats.at[s, t, hg])
+
+        _for_my_split(plan, sp, consume)
+
+        @pl.when(cta + (k + 1) * plan.ctas < plan.n_items)   # a next item: its q may overwrite my tile
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(sc.q_free)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(plan: _Plan) -> tuple[list, Callable]:
+    """The shared memory and barriers ``_Scratch`` names, as ``pl.run_scoped`` allocates them, and
+    how to unpack the K/V slots: bf16 tiles, and for fp8 or NVFP4 pools the fp8 view of the same
+    bytes (plus the same again as uint8, for the scale bytes). The 0.10 interpreter has no
+    RefUnion (nor any shared-memory limit): there the views are separate buffers, which only
+    drops the aliasing."""
+    view, interpreting = plan.view, plan.interpreting
+    tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, plan.dh), jnp.bfloat16, transforms=TILED)
+    fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
+    if not plan.viewed:
+        slots, unpack = tiles, lambda s: (s, None, None)
+    elif interpreting:
+        slots, unpack = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
+    else:
+        slots, unpack = plgpu.RefUnion(tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
+    return [
+        plgpu.SMEM((2, HEADS, plan.dh), jnp.bfloat16, transforms=TILED),   # q, then out, per WG
+        slots,                                                            # K/V slots
+        plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
+                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
+        # a slot is full: mbarriers for cp.async arrivals (8 bytes each; then a zero word), or
+        # interpreted Pallas ones
+        plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS + 1,), jnp.int32),
+        plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
+        plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
+        plgpu.Barrier(num_arrivals=2),                                    # WG exchange
+        plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
+        # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
+        *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
+    ], unpack
+
+
+def _body(plan: _Plan):
+    """The kernel body: three warpgroups, the producer (``wg`` 2) and two compute ones."""
+    ops = _InlineOps.make(plan)
+    allocations, unpack = _scratch(plan)
+
+    def body(q_ref, sink_ref, *refs):
+        pool_refs, pos = [], 0
+        for kind in plan.kinds:   # each pool's refs: (kv, idx) or (kv, scale, idx)
+            r = refs[pos:pos + (2 if kind == BF16 else 3)]
+            pool_refs.append((r[0], r[1] if len(r) == 3 else None, r[-1]))
+            pos += len(r)
+        out, stats = (refs[-2:] if plan.splits > 1 else (refs[-1], None))
+        gm = _Refs(q_ref, sink_ref, pool_refs, out, stats)
+        cta = lax.axis_index("c")
+
+        def scoped(q_smem, slots, xch, small, full, *bars):
+            """Chunk numbers run on across a CTA's items (item k's chunk g is ``k * n_total + g``;
+            more than one item per CTA only with one split), so slots, id slots and barrier
+            phases simply continue."""
+            kt, v8, s8 = unpack(slots)
+            sc = _Scratch(q_smem, kt, v8, s8, xch, small, full, *bars)
+            wg = lax.axis_index("wg")
+            if not plan.interpreting:
+                ops.init_full_barriers(full)
+            pl.when(wg == 2)(lambda: _producer(plan, ops, gm, sc, cta))
+            pl.when(wg < 2)(lambda: _compute(plan, ops, gm, sc, cta, wg))
+
+        pl.run_scoped(scoped, *allocations, collective_axes="wg")
+    return body
 
 
 # jitted: a program calling it at each of 40 layers with one shape lowers the kernel once
@@ -391,396 +855,30 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     if n_heads % HEADS or d % 128 or d > 512 or q.dtype != jnp.bfloat16:
         raise ValueError(f"need bf16 q with H % {HEADS} == 0 and D % 128 == 0, got {q.shape} {q.dtype}; D <= 512")
     pools = _pad_pools(pools, BLOCK_KV)
-    for kind, kv, kv_scale, idx in pools:
-        width, want = {BF16: (d, jnp.bfloat16), FP8: (d, jnp.float8_e4m3fn), NVFP4: (d // 2, jnp.uint8)}[kind]
-        if kv.shape[0] < 1 or kv.shape[1] != width or kv.dtype != want or idx.shape[0] != t_len:
-            raise ValueError(f"{kind} pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape} "
-                             "(or the pool is empty: masked slots read its row 0)")
-        scale_want = {BF16: None, FP8: ((kv.shape[0], d // 32), jnp.uint8),
-                      NVFP4: ((kv.shape[0], d // NVFP4_BLOCK), jnp.float8_e4m3fn)}[kind]
-        if kv_scale is not None and (kv_scale.shape, kv_scale.dtype) != scale_want:
-            raise ValueError(f"{kind} pool scale {kv_scale.shape} {kv_scale.dtype}: want {scale_want}")
-        if kind == NVFP4 and d % 256:
-            raise ValueError(f"NVFP4 pools need D in 256s (a half's codes in 64-byte runs), got {d}")
+    _check_pools(pools, q)
     interpreting = bool(interpret) or config.pallas_tpu_interpret_mode_context_manager.value is not None
     n_sms = 0 if interpreting else getattr(jax.devices()[0], "core_count", 0)
-    n_chunks = [pool.idx.shape[1] // BLOCK_KV for pool in pools]
+    n_chunks = tuple(pool.idx.shape[1] // BLOCK_KV for pool in pools)
     chosen = launch(t_len, n_heads, sum(n_chunks), n_sms, splits)
-    splits = chosen.splits
     if t_len == 0:
         return jnp.zeros_like(q)
-    chunk0 = [sum(n_chunks[:p]) for p in range(len(pools))]   # each pool's first global chunk
-    per_split = -(-sum(n_chunks) // max(splits, 1))          # chunks per split (the last may have fewer)
-    if splits < 1 or (splits - 1) * per_split >= max(1, sum(n_chunks)):
+    plan = _Plan(t_len, n_heads, d, tuple(pool.kind for pool in pools), n_chunks, chosen.splits,
+                 chosen.ctas if ctas is None else ctas, float(scale) * LOG2E, interpreting, skip)
+    splits, ctas = plan.splits, plan.ctas
+    if splits < 1 or (splits - 1) * plan.per_split >= max(1, plan.n_total):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
-                         f"{sum(n_chunks)} key chunks of {BLOCK_KV}")
-    n_items = n_heads // HEADS * splits * t_len
-    ctas = chosen.ctas if ctas is None else ctas
+                         f"{plan.n_total} key chunks of {BLOCK_KV}")
     # (a later item's q is loaded after its first chunk's copies: items without chunks get one CTA each)
-    if not 1 <= ctas <= n_items or ((splits > 1 or not sum(n_chunks)) and ctas < n_items):
-        raise ValueError(f"ctas={ctas}: from 1 to the {n_items} (query token, head group, split) items, "
+    if not 1 <= ctas <= plan.n_items or ((splits > 1 or not plan.n_total) and ctas < plan.n_items):
+        raise ValueError(f"ctas={ctas}: from 1 to the {plan.n_items} (query token, head group, split) items, "
                          "and all of them when splits > 1 or there is no key chunk")
-    per_cta = -(-n_items // ctas)                             # items per CTA (the last ones may have one less)
-    kinds = [pool.kind for pool in pools]
-    viewed = any(kind != BF16 for kind in kinds)   # the fp8 view over the K/V slots is needed
-    dh = d // 2                                   # D columns per compute warpgroup
-    view = Fp8View.for_half_width(dh)
-    qk_scale = float(scale) * LOG2E               # softmax runs in base 2 (exp2)
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    # Register layouts: TILE is the wgmma accumulator layout, ROW a per-head vector (one value
-    # per accumulator row), COL a per-key vector. The 0.10 interpreter has no layout_cast.
-    TILE, ROW, COL = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    cast = (lambda x, layout: x) if interpreting else plgpu.layout_cast
-    gather_bf16 = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled)))(
-        _cp_async_gather(kind=BF16, d=d))
-    gather_viewed = {kind: plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)(
-        _cp_async_gather(kind=kind, d=d, half_rows=view.half_rows)) for kind in (FP8, NVFP4)}
-    init_full_barriers = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_full_barriers)
-    arrive_on_landing = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_arrive_on_landing)
-    wait_parity = [plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_wait_parity(k)) for k in (0, 1)]
-
-    # Each pool's refs: (kv, idx) or (kv, scale, idx).
-    ref_counts = [2 if kind == BF16 else 3 for kind in kinds]
-
-    def body(q_ref, sink_ref, *refs):
-        o_ref = refs[-1]
-        pool_refs, pos = [], 0
-        for n in ref_counts:
-            r = refs[pos:pos + n]
-            pool_refs.append((r[0], r[1] if n == 3 else None, r[-1]))
-            pos += n
-        if splits > 1:
-            o_ref, stats_ref = refs[-2:]
-        cta = lax.axis_index("c")
-
-        def for_my_items(fn):
-            """``fn(k, t, hg, sp)`` for this CTA's k-th item (query token ``t``, head group ``hg``,
-            split ``sp``), items ``cta + k * ctas`` in order, tokens fastest (CTAs that run
-            together share KV rows in L2). A static trip count with a guard: loops with traced
-            bounds hang the JAX 0.10 Mosaic GPU interpreter."""
-            @pl.loop(0, per_cta)
-            def _(k):
-                i = cta + k * ctas
-                pl.when(i < n_items)(lambda: fn(k, i % t_len, i // (t_len * splits), i // t_len % splits))
-
-        def for_my_split(sp, fn):
-            """``fn(s, lo, hi, local)`` for split ``sp``: global chunks [lo, hi), and ``local[p]``
-            the part of pool p. One static branch per split (traced loop bounds: see above)."""
-            for s in range(splits):
-                lo, hi = s * per_split, min((s + 1) * per_split, sum(n_chunks))
-                local = [(min(max(lo - c0, 0), nc), min(max(hi - c0, 0), nc)) for c0, nc in zip(chunk0, n_chunks)]
-                if splits == 1:
-                    fn(s, lo, hi, local)
-                else:
-                    pl.when(sp == s)(functools.partial(fn, s, lo, hi, local))
-
-        def scoped(q_smem, slots, xch, small, full, q_bar, ids_bar, free_bar, sync_bar, q_free, land_bar=None):
-            """``full``: the slots' "full" barriers, plain mbarriers in an int32 buffer (compiled)
-            or Pallas barriers (interpreted: no inline code). Chunk numbers run on across a CTA's
-            items (item k's chunk g is ``k * n_total + g``; more than one item per CTA only with
-            one split), so slots, id slots and barrier phases simply continue."""
-            wg = lax.axis_index("wg")
-            if not interpreting:
-                init_full_barriers(full)
-            full_at = lambda slot: full.at[pl.ds(2 * slot, 2)]  # noqa: E731  (8 bytes each)
-            fp8_row = lambda slot, half: slot * view.slot_rows + half * view.half_rows  # noqa: E731
-            kt, v8, s8 = slots      # bf16 K/V tiles; the fp8 view of the same bytes and its bytes as uint8
-            ids_slot = lambda g: small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]  # noqa: E731
-            sink_at = pl.ds(ID_SLOTS * BLOCK_KV, HEADS)
-            n_total = sum(n_chunks)
-
-            def sync():  # both compute warpgroups meet here
-                plgpu.barrier_arrive(sync_bar)
-                plgpu.barrier_wait(sync_bar)
-
-            @pl.when(wg == 2)
-            def _producer():
-                plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-
-                def load_q(t, heads):
-                    for w in range(2):
-                        plgpu.copy_gmem_to_smem(q_ref.at[t, heads, pl.ds(w * dh, dh)], q_smem.at[w], q_bar)
-                    # The sink (as int32 bits) shares the small index buffer: every allocation is
-                    # rounded up to 1 KB.
-                    plgpu.copy_gmem_to_smem(sink_ref.at[heads], small.at[sink_at], q_bar)
-
-                def hand_over(g):
-                    """Chunk ``g``'s copies are out: its slot is full when they have landed."""
-                    if interpreting:   # (the copies were waited for)
-                        plgpu.barrier_arrive(full.at[g % SLOTS])
-                    else:
-                        arrive_on_landing(full_at(g % SLOTS))
-
-                def gather(kind, kv_ref, scale_ref, ids_ref, slot):
-                    if not interpreting:
-                        if kind == BF16:
-                            gather_bf16(kv_ref, ids_ref, kt.at[slot])
-                        else:
-                            rows = pl.ds(fp8_row(slot, 0), view.half_rows + BLOCK_KV)
-                            gather_viewed[kind](kv_ref, ids_ref, v8.at[rows], scale_ref)
-                        return
-                    # The interpreter runs no inline Mosaic GPU code: one copy per row and half,
-                    # then (fp8, NVFP4) one per row and half for the scale bytes, waiting after each round.
-                    view_row = lambda j, w: pl.ds(fp8_row(slot, w) + j, 1)  # noqa: E731
-                    if kind == BF16:
-                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
-                                   lambda j, w: kt.at[slot, w, pl.ds(j, 1)])]
-                    elif kind == FP8:
-                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh, dh)],
-                                   lambda j, w: v8.at[view_row(j, w), pl.ds(0, dh)]),
-                                  (lambda row, w: scale_ref.at[pl.ds(row, 1)],
-                                   lambda j, w: s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
-                    else:
-                        rounds = [(lambda row, w: kv_ref.at[pl.ds(row, 1), pl.ds(w * dh // 2, dh // 2)],
-                                   lambda j, w: s8.at[view_row(j, w), pl.ds(0, dh // 2)]),
-                                  (lambda row, w: scale_ref.at[pl.ds(row, 1), pl.ds(w * d // 32, d // 32)],
-                                   lambda j, w: s8.at[view_row(j, w), pl.ds(dh, d // 32)])]
-                    for src, dst in rounds:
-                        @pl.loop(0, BLOCK_KV)
-                        def _row(j, src=src, dst=dst):
-                            row = jnp.maximum(ids_ref[j], 0)
-                            for w in range(2):
-                                plgpu.copy_gmem_to_smem(src(row, w), dst(j, w), land_bar)
-                        plgpu.barrier_wait(land_bar)
-
-                @for_my_items
-                def _item(k, t, hg, sp):
-                    heads = pl.ds(hg * HEADS, HEADS)
-                    base = k * n_total   # this item's chunk numbers start here
-
-                    def fetch_ids(p, c, g):
-                        """Row ids of chunk ``c`` of pool ``p`` (chunk number ``g``) into their slot."""
-                        plgpu.copy_gmem_to_smem(pool_refs[p][2].at[t, pl.ds(c * BLOCK_KV, BLOCK_KV)],
-                                                ids_slot(g), ids_bar.at[g % ID_SLOTS])
-
-                    pl.when(k == 0)(lambda: load_q(t, heads))
-
-                    def produce(s, lo, hi, local):
-                        live = [p for p, (a, b) in enumerate(local) if b > a]
-                        if not live:
-                            return
-                        fetch_ids(live[0], local[live[0]][0], base + lo)   # the first chunk's ids
-                        for p in live:
-                            kv_ref, scale_ref, _ = pool_refs[p]
-                            kind = kinds[p]
-                            end = local[p][1]
-                            # the next chunk is the next pool's first if this pool ends inside the range
-                            nxt = next((q for q in live if q > p), None) if chunk0[p] + end < hi else None
-
-                            @pl.loop(*local[p])
-                            def _chunk(c, p=p, end=end, kv_ref=kv_ref, scale_ref=scale_ref, nxt=nxt, kind=kind):
-                                g = base + chunk0[p] + c
-                                # the slot's previous chunk (g - 2) is released after both PVs
-                                pl.when(g >= lo + SLOTS)(lambda: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
-                                plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                                # the next chunk's id slot last served chunk g - 2: released too
-                                pl.when(c + 1 < end)(lambda: fetch_ids(p, c + 1, g + 1))
-                                if nxt is not None:
-                                    pl.when(c + 1 == end)(lambda: fetch_ids(nxt, 0, g + 1))
-                                if "row_copies" not in skip:
-                                    gather(kind, kv_ref, scale_ref, ids_slot(g), g % SLOTS)
-                                hand_over(g)
-
-                                # A later item's q goes where the last item's output tiles were
-                                # stored from (and its sink over the last one's, read at its start):
-                                # once those stores have read them, after this item's first chunk
-                                # is on its way.
-                                @pl.when((k > 0) & (g == base + lo))
-                                def _():
-                                    plgpu.barrier_wait(q_free)
-                                    load_q(t, heads)
-
-                        # Observe the last releases: the interpreter checks that every phase is
-                        # seen, and compiled, this keeps the producer alive until its last copies
-                        # have landed.
-                        @pl.when(cta + (k + 1) * ctas >= n_items)   # my last item
-                        def _():
-                            for j in range(SLOTS):
-                                g = base + hi - SLOTS + j
-                                pl.when(g >= lo)(lambda g=g: plgpu.barrier_wait(free_bar.at[g % SLOTS]))
-
-                    for_my_split(sp, produce)
-
-            @pl.when(wg < 2)
-            def _compute():
-                plgpu.set_max_registers(COMPUTE_REGS, action="increase")
-                cols = pl.ds(wg * dh, dh)
-
-                def wait_full(g, lo):
-                    """Chunk ``g`` (of a split starting at chunk ``lo``) has landed in its slot."""
-                    if interpreting:
-                        plgpu.barrier_wait(full.at[g % SLOTS])
-                        return
-                    # the slot's barrier completes once per chunk in it: phase (g - lo) // SLOTS
-                    for parity in (0, 1):
-                        pl.when(lax.div(g - lo, SLOTS) % 2 == parity)(lambda: wait_parity[parity](full_at(g % SLOTS)))
-                    plgpu.commit_smem()   # fence: the tensor cores read what cp.async wrote
-
-                def dequantize(kind, slot):
-                    """This warpgroup's fp8 or NVFP4 half of the chunk -> bf16 tiles over the same bytes."""
-                    rows = pl.ds(fp8_row(slot, wg), BLOCK_KV)
-                    vals, raw, tile = v8.at[rows], s8.at[rows], kt.at[slot, wg]
-                    col = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_KV, 64), 1), TILE)
-
-                    def scale_byte(c):   # a byte of each row (ROW layout)
-                        if interpreting:
-                            return raw[pl.ds(0, BLOCK_KV), c]
-                        # a strided column: not "optimized" (Mosaic cannot prove it conflict free)
-                        return plgpu.load(raw, (pl.ds(0, BLOCK_KV), c), layout=ROW, optimized=False)
-
-                    def scaled(values, scales):
-                        """[64, 64] values times their column group's per-row scale (equal groups)."""
-                        group = 64 // len(scales)
-                        s = lax.broadcast_in_dim(scales[-1], values.shape, [0])
-                        for i in reversed(range(len(scales) - 1)):
-                            s = jnp.where(col < group * (i + 1), lax.broadcast_in_dim(scales[i], values.shape, [0]), s)
-                        return (values * s).astype(jnp.bfloat16)
-
-                    if kind == FP8:   # the row's UE8M0 bytes, this half's from wg * dh / 32 on
-                        pieces = [cast(vals[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 64)]
-                        scales = [pow2_from_exponent(scale_byte(dh + wg * dh // 32 + i)) for i in range(dh // 32)]
-                        plgpu.commit_smem()   # all four warps have read the bytes before any is overwritten
-                        for k, piece in enumerate(pieces):
-                            tile[:, pl.ds(k * 64, 64)] = scaled(piece.astype(jnp.float32), scales[2 * k:2 * k + 2])
-                    else:             # code byte j: channels j (low nibble) and j + dh / 2 (high)
-                        pieces = [cast(raw[pl.ds(0, BLOCK_KV), pl.ds(k * 64, 64)], TILE) for k in range(dh // 128)]
-                        scales = [e4m3_from_bits(scale_byte(dh + i).astype(jnp.int32))
-                                  for i in range(dh // NVFP4_BLOCK)]
-                        plgpu.commit_smem()
-                        for k, piece in enumerate(pieces):
-                            c = piece.astype(jnp.int32)
-                            for at, code in ((k * 64, c & 15), (dh // 2 + k * 64, c >> 4)):
-                                g = at // NVFP4_BLOCK
-                                tile[:, pl.ds(at, 64)] = scaled(e2m1_scaled(code, 127), scales[g:g + 4])
-                    plgpu.commit_smem()
-
-                @for_my_items
-                def _item(k, t, hg, sp):
-                    heads = pl.ds(hg * HEADS, HEADS)
-                    base = k * n_total
-                    plgpu.barrier_wait(q_bar)
-                    sink2 = lax.bitcast_convert_type(cast(small[sink_at], ROW), jnp.float32) * LOG2E
-
-                    def consume(s, lo, hi, local):
-                        # Split 0 starts from the sink; the others from an empty softmax, with a finite
-                        # "-inf" so that a fully masked chunk keeps exp2(m - m_new) = 1.
-                        carry = (
-                            cast(jnp.zeros((HEADS, dh), jnp.float32), TILE),
-                            sink2 if s == 0 else cast(jnp.full((HEADS,), NO_MAX, jnp.float32), ROW),  # max m
-                            cast(jnp.full((HEADS,), 1.0 if s == 0 else 0.0, jnp.float32), ROW),       # sum l
-                        )
-                        # the producer walks the same pools and chunks in the same order
-                        for (c_lo, c_hi), kind, g0 in zip(local, kinds, chunk0):
-
-                            def chunk(c, carry, kind=kind, g0=g0):
-                                acc, m, l = carry
-                                g = base + g0 + c
-                                slot = g % SLOTS
-                                plgpu.barrier_wait(ids_bar.at[g % ID_SLOTS])
-                                wait_full(g, lo)
-                                ids = cast(ids_slot(g)[...], COL)
-                                if kind != BF16 and "dequant" not in skip:
-                                    dequantize(kind, slot)
-                                my_kt = kt.at[slot, wg]
-                                # q's tile through a zero loaded here: with a loop-invariant index,
-                                # LLVM hoists all 16 wgmma descriptors of q (32 registers) out of the loop
-                                my_q = q_smem.at[wg if interpreting else wg + full[2 * SLOTS]]
-                                if "mma" in skip:
-                                    s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
-                                else:
-                                    s_part = _mma(None, my_q, my_kt, transpose_b=True,
-                                                  interpreting=interpreting)
-                                if "exchange" in skip:
-                                    s = s_part * qk_scale
-                                else:
-                                    sync()                      # the other WG has read my previous partial
-                                    xch[wg] = s_part
-                                    sync()                      # both partials are written
-                                    s = (s_part + cast(xch[1 - wg], TILE)) * qk_scale
-                                valid = lax.broadcast_in_dim(ids >= 0, s.shape, [1])
-                                s = jnp.where(valid, s, -jnp.inf)
-                                m_new = jnp.maximum(m, s.max(axis=1))
-                                alpha = jnp.exp2(m - m_new)
-                                prob = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                                l = l * alpha + prob.sum(axis=1)
-                                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                                if "mma" not in skip:
-                                    acc = _mma(acc, prob.astype(jnp.bfloat16), my_kt, transpose_b=False,
-                                               interpreting=interpreting)
-                                plgpu.barrier_arrive(free_bar.at[slot])   # the slot is ours no more
-                                return acc, m_new, l
-
-                            carry = lax.fori_loop(c_lo, c_hi, chunk, carry)
-                        acc, m, l = carry
-                        # Only this warpgroup ever read its half of q_smem: reuse it for the output tile.
-                        # (l = 0 only in a split whose rows are all masked, where acc = 0 too.)
-                        out = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-                        q_smem[wg] = out.astype(jnp.bfloat16)
-                        plgpu.commit_smem()
-                        if splits == 1:
-                            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[t, heads, cols])
-                        else:
-                            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[s, t, heads, cols])
-
-                            if "exchange" in skip:   # (no per-chunk meeting: the other may still read ids)
-                                sync()
-
-                            @pl.when(wg == 0)   # m and l (the same in both warpgroups) into spent id slots
-                            def _stats():
-                                small[pl.ds(0, HEADS)] = lax.bitcast_convert_type(m, jnp.int32)
-                                small[pl.ds(HEADS, HEADS)] = lax.bitcast_convert_type(l, jnp.int32)
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(small.at[pl.ds(0, 2 * HEADS)], stats_ref.at[s, t, hg])
-
-                    for_my_split(sp, consume)
-
-                    @pl.when(cta + (k + 1) * ctas < n_items)   # a next item: its q may overwrite my tile
-                    def _():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        plgpu.barrier_arrive(q_free)
-                plgpu.wait_smem_to_gmem(0)
-
-        # K/V slots: bf16 tiles, and for fp8 pools the fp8 view of the same bytes (plus the same
-        # again as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any
-        # shared-memory limit): there the views are separate buffers, which only drops the aliasing.
-        tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, dh), jnp.bfloat16, transforms=tiled)
-        fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
-        if not viewed:
-            slots, unpack = tiles, lambda s: (s, None, None)
-        elif interpreting:
-            slots, unpack = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
-        else:
-            slots, unpack = plgpu.RefUnion(tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
-
-        def scoped_unpacked(q_smem, slots_ref, *rest):
-            return scoped(q_smem, unpack(slots_ref), *rest)
-
-        pl.run_scoped(
-            scoped_unpacked,
-            plgpu.SMEM((2, HEADS, dh), jnp.bfloat16, transforms=tiled),       # q, then out, per WG
-            slots,                                                            # K/V slots
-            plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
-                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-            plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
-            # a slot is full: mbarriers for cp.async arrivals (8 bytes each; then a zero word), or
-            # interpreted Pallas ones
-            plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS + 1,), jnp.int32),
-            plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
-            plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
-            plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
-            plgpu.Barrier(num_arrivals=2),                                    # WG exchange
-            plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
-            # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
-            *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
-            collective_axes="wg",
-        )
 
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if splits > 1:   # partial outputs, and (m, l) per head as int32 bits
         out_type = (jax.ShapeDtypeStruct((splits, *q.shape), q.dtype),
                     jax.ShapeDtypeStruct((splits, t_len, n_heads // HEADS, 2 * HEADS), jnp.int32))
     kernel = plgpu.kernel(
-        body,
+        _body(plan),
         out_type=out_type,
         grid=(ctas,),    # Mosaic GPU launches it as CUDA's x: up to 2^31 - 1 CTAs
         grid_names=("c",),
@@ -798,6 +896,22 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     flat = [a for pool in pools for a in _operands(pool)]
     out = kernel(q, lax.bitcast_convert_type(sink.astype(jnp.float32), jnp.int32), *flat)
     return out if splits == 1 else _combine_splits(*out)
+
+
+def _check_pools(pools: list[Pool], q) -> None:
+    """ValueError where a pool's arrays do not match ``q`` or their kind."""
+    t_len, d = q.shape[0], q.shape[2]
+    for kind, kv, kv_scale, idx in pools:
+        width, want = {BF16: (d, jnp.bfloat16), FP8: (d, jnp.float8_e4m3fn), NVFP4: (d // 2, jnp.uint8)}[kind]
+        if kv.shape[0] < 1 or kv.shape[1] != width or kv.dtype != want or idx.shape[0] != t_len:
+            raise ValueError(f"{kind} pool kv {kv.shape} {kv.dtype} / idx {idx.shape} do not match q {q.shape} "
+                             "(or the pool is empty: masked slots read its row 0)")
+        scale_want = {BF16: None, FP8: ((kv.shape[0], d // 32), jnp.uint8),
+                      NVFP4: ((kv.shape[0], d // NVFP4_BLOCK), jnp.float8_e4m3fn)}[kind]
+        if kv_scale is not None and (kv_scale.shape, kv_scale.dtype) != scale_want:
+            raise ValueError(f"{kind} pool scale {kv_scale.shape} {kv_scale.dtype}: want {scale_want}")
+        if kind == NVFP4 and d % 256:
+            raise ValueError(f"NVFP4 pools need D in 256s (a half's codes in 64-byte runs), got {d}")
 
 
 def _combine_splits(parts, stats):
