@@ -22,8 +22,9 @@ Tuning and launch: ``sparse_attention_tiles``.
 
 Design: one CTA item per (query token, group of 64 heads[, key split]); three warpgroups
 -------------------------------------------------------------------------------------
-(In the code: ``_Plan`` deals the items and chunks, ``_producer`` and ``_compute`` are the
-warpgroups, ``_scratch`` lays out shared memory, ``_body`` starts the three.)
+(In the code: ``_Plan`` holds a launch's static choices, ``_for_my_items`` and ``_for_my_split``
+deal the items and their chunks, ``_producer`` and ``_compute`` (with ``_dequantize``) are the
+warpgroups, ``_Scratch`` lays out shared memory, ``_body`` starts the three warpgroups.)
 * MQA: all heads share every key row, so the 64 heads are the wgmma M dimension (as in
   FlashMLA); keys stream through in chunks of ``block_kv`` gathered rows with an online
   softmax. The sink is the softmax's starting state (running max ``m = sink``, sum ``l = 1``,
@@ -329,7 +330,7 @@ def _ptx(asm, *args):
 
 def _init_full_barriers(ctx, bars):
     """All threads: thread 0 initialises the slots' barriers for 128 arrivals and the zero word
-    after them (see ``sparse_mqa``); then a CTA sync."""
+    after them (``_Scratch.full``); then a CTA sync."""
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     tid = mgpu_utils.thread_idx()
@@ -367,8 +368,9 @@ TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # q, out
 
 
 class _Plan(NamedTuple):
-    """A launch's static plan: the pools' kinds and key chunks, and how the (query token, head
-    group, split) items are dealt to the CTAs. The producer and the compute warpgroups walk it alike."""
+    """A launch's static choices: the pools' kinds and key chunks, the splits and CTAs the (query
+    token, head group, split) items are dealt over, the softmax scale, interpreted or compiled,
+    and the stages left out. The producer and the compute warpgroups walk it alike."""
     t_len: int
     n_heads: int
     d: int
@@ -418,7 +420,8 @@ class _Plan(NamedTuple):
 
 
 class _InlineOps(NamedTuple):
-    """The kernel's inline Mosaic GPU code (compiled only: the interpreter runs none)."""
+    """The kernel's inline Mosaic GPU code (built always, called only compiled: the interpreter
+    runs none)."""
     gather_bf16: Callable
     gather_viewed: dict
     init_full_barriers: Callable
@@ -454,7 +457,7 @@ class _Scratch(NamedTuple):
     s8: object             # ... and the same bytes as uint8
     xch: object            # the logit exchange
     small: object          # ID_SLOTS chunks' row ids, then the sink's bits
-    full: object           # a slot is full: plain mbarriers (compiled) or Pallas barriers (interpreted)
+    full: object           # a slot is full: plain mbarriers (compiled, then a zero word) or Pallas barriers
     q_bar: object          # q and sink landed
     ids_bar: object        # a chunk's ids landed
     free_bar: object       # a slot is free
@@ -462,8 +465,51 @@ class _Scratch(NamedTuple):
     q_free: object         # the q tiles are free (the next item's q may land)
     land_bar: object = None   # interpreted: the producer's row copies
 
+    @staticmethod
+    def allocations(plan: "_Plan") -> list:
+        """What ``pl.run_scoped`` allocates, in the order ``of`` takes it. The K/V slots are bf16
+        tiles, and for fp8 or NVFP4 pools also the fp8 view of the same bytes (plus the same again
+        as uint8, for the scale bytes). The 0.10 interpreter has no RefUnion (nor any shared-memory
+        limit): there the views are separate buffers, which only drops the aliasing."""
+        view, interpreting = plan.view, plan.interpreting
+        tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, plan.dh), jnp.bfloat16, transforms=TILED)
+        fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
+        if not plan.viewed:
+            slots = tiles
+        elif interpreting:
+            slots = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8))
+        else:
+            slots = plgpu.RefUnion(tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8))
+        return [
+            plgpu.SMEM((2, HEADS, plan.dh), jnp.bfloat16, transforms=TILED),   # q, then out, per WG
+            slots,                                                            # K/V slots
+            plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+            plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
+            # a slot is full: mbarriers for cp.async arrivals (8 bytes each; then a zero word), or
+            # interpreted Pallas ones
+            plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS + 1,), jnp.int32),
+            plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
+            plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
+            plgpu.Barrier(num_arrivals=2),                                    # WG exchange
+            plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
+            # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
+            *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
+        ]
+
+    @classmethod
+    def of(cls, plan: "_Plan", q_smem, slots, xch, small, full, *bars) -> "_Scratch":
+        """The refs ``allocations`` gave, by name."""
+        kt, v8, s8 = tuple(slots) if plan.viewed else (slots, None, None)
+        return cls(q_smem, kt, v8, s8, xch, small, full, *bars)
+
     def full_at(self, slot):   # (8 bytes each)
         return self.full.at[pl.ds(2 * slot, 2)]
+
+    def zero(self):
+        """The zero word after the full barriers, loaded (compiled only)."""
+        return self.full[2 * SLOTS]
 
     def ids_slot(self, g):
         return self.small.at[pl.ds(g % ID_SLOTS * BLOCK_KV, BLOCK_KV)]
@@ -480,7 +526,9 @@ def _for_my_items(plan: _Plan, cta, fn):
     """``fn(k, t, hg, sp)`` for this CTA's k-th item (query token ``t``, head group ``hg``,
     split ``sp``), items ``cta + k * ctas`` in order, tokens fastest (CTAs that run
     together share KV rows in L2). A static trip count with a guard: loops with traced
-    bounds hang the JAX 0.10 Mosaic GPU interpreter."""
+    bounds hang the JAX 0.10 Mosaic GPU interpreter. Chunk numbers run on across a CTA's items
+    (item k's chunk g is ``k * n_total + g``; more than one item per CTA only with one split),
+    so slots, id slots and barrier phases simply continue."""
     t_len, splits = plan.t_len, plan.splits
 
     @pl.loop(0, plan.per_cta)
@@ -703,7 +751,7 @@ def _compute(plan: _Plan, ops: _InlineOps, refs: _Refs, sc: _Scratch, cta, wg):
                     my_kt = sc.kt.at[slot, wg]
                     # q's tile through a zero loaded here: with a loop-invariant index,
                     # LLVM hoists all 16 wgmma descriptors of q (32 registers) out of the loop
-                    my_q = sc.q_smem.at[wg if interpreting else wg + sc.full[2 * SLOTS]]
+                    my_q = sc.q_smem.at[wg if interpreting else wg + sc.zero()]
                     if "mma" in skip:
                         s_part = cast(jnp.zeros((HEADS, BLOCK_KV), jnp.float32), TILE)
                     else:
@@ -759,44 +807,9 @@ def _compute(plan: _Plan, ops: _InlineOps, refs: _Refs, sc: _Scratch, cta, wg):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(plan: _Plan) -> tuple[list, Callable]:
-    """The shared memory and barriers ``_Scratch`` names, as ``pl.run_scoped`` allocates them, and
-    how to unpack the K/V slots: bf16 tiles, and for fp8 or NVFP4 pools the fp8 view of the same
-    bytes (plus the same again as uint8, for the scale bytes). The 0.10 interpreter has no
-    RefUnion (nor any shared-memory limit): there the views are separate buffers, which only
-    drops the aliasing."""
-    view, interpreting = plan.view, plan.interpreting
-    tiles = plgpu.SMEM((SLOTS, 2, BLOCK_KV, plan.dh), jnp.bfloat16, transforms=TILED)
-    fp8_view = lambda dtype: plgpu.SMEM((view.rows, view.pitch), dtype)  # noqa: E731
-    if not plan.viewed:
-        slots, unpack = tiles, lambda s: (s, None, None)
-    elif interpreting:
-        slots, unpack = (tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
-    else:
-        slots, unpack = plgpu.RefUnion(tiles, fp8_view(jnp.float8_e4m3fn), fp8_view(jnp.uint8)), tuple
-    return [
-        plgpu.SMEM((2, HEADS, plan.dh), jnp.bfloat16, transforms=TILED),   # q, then out, per WG
-        slots,                                                            # K/V slots
-        plgpu.SMEM((2, HEADS, BLOCK_KV), jnp.float32,                     # logit exchange,
-                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        plgpu.SMEM((ID_SLOTS * BLOCK_KV + HEADS,), jnp.int32),            # 3 chunks' ids, sink bits
-        # a slot is full: mbarriers for cp.async arrivals (8 bytes each; then a zero word), or
-        # interpreted Pallas ones
-        plgpu.Barrier(num_barriers=SLOTS) if interpreting else plgpu.SMEM((2 * SLOTS + 1,), jnp.int32),
-        plgpu.Barrier(num_arrivals=3),                                    # q + sink landed
-        plgpu.Barrier(num_barriers=ID_SLOTS),                             # a chunk's ids landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),                # a slot is free
-        plgpu.Barrier(num_arrivals=2),                                    # WG exchange
-        plgpu.Barrier(num_arrivals=2),                                    # q tiles free (next item)
-        # interpreted: the producer's row copies (two per row, or four for fp8 in two rounds)
-        *([plgpu.Barrier(num_arrivals=2 * BLOCK_KV)] if interpreting else []),
-    ], unpack
-
-
 def _body(plan: _Plan):
     """The kernel body: three warpgroups, the producer (``wg`` 2) and two compute ones."""
     ops = _InlineOps.make(plan)
-    allocations, unpack = _scratch(plan)
 
     def body(q_ref, sink_ref, *refs):
         pool_refs, pos = [], 0
@@ -808,19 +821,15 @@ def _body(plan: _Plan):
         gm = _Refs(q_ref, sink_ref, pool_refs, out, stats)
         cta = lax.axis_index("c")
 
-        def scoped(q_smem, slots, xch, small, full, *bars):
-            """Chunk numbers run on across a CTA's items (item k's chunk g is ``k * n_total + g``;
-            more than one item per CTA only with one split), so slots, id slots and barrier
-            phases simply continue."""
-            kt, v8, s8 = unpack(slots)
-            sc = _Scratch(q_smem, kt, v8, s8, xch, small, full, *bars)
+        def scoped(*scratch):
+            sc = _Scratch.of(plan, *scratch)
             wg = lax.axis_index("wg")
             if not plan.interpreting:
-                ops.init_full_barriers(full)
+                ops.init_full_barriers(sc.full)
             pl.when(wg == 2)(lambda: _producer(plan, ops, gm, sc, cta))
             pl.when(wg < 2)(lambda: _compute(plan, ops, gm, sc, cta, wg))
 
-        pl.run_scoped(scoped, *allocations, collective_axes="wg")
+        pl.run_scoped(scoped, *_Scratch.allocations(plan), collective_axes="wg")
     return body
 
 
@@ -862,8 +871,9 @@ def sparse_mqa(q, pools: Sequence, sink, scale: float, *, splits: int | None = N
     chosen = launch(t_len, n_heads, sum(n_chunks), n_sms, splits)
     if t_len == 0:
         return jnp.zeros_like(q)
-    plan = _Plan(t_len, n_heads, d, tuple(pool.kind for pool in pools), n_chunks, chosen.splits,
-                 chosen.ctas if ctas is None else ctas, float(scale) * LOG2E, interpreting, skip)
+    plan = _Plan(t_len=t_len, n_heads=n_heads, d=d, kinds=tuple(pool.kind for pool in pools), n_chunks=n_chunks,
+                 splits=chosen.splits, ctas=chosen.ctas if ctas is None else ctas,
+                 qk_scale=float(scale) * LOG2E, interpreting=interpreting, skip=skip)
     splits, ctas = plan.splits, plan.ctas
     if splits < 1 or (splits - 1) * plan.per_split >= max(1, plan.n_total):
         raise ValueError(f"splits={splits}: each of them needs at least one of the "
