@@ -32,7 +32,7 @@ from gpu_common import (ceilings, gpu_kernels, gpu_timeline, rel_err, roofline_m
 import mega.mhc  # noqa: E402
 from pallas_kernels.mhc import TILES, Tiles, mhc_pass, mhc_pass_reference  # noqa: E402
 
-SWEEP = [TILES, Tiles(stages=2), Tiles(warps=8), Tiles(block_t=128, warps=8), Tiles(block_t=32, block_d=64),
+SWEEP = [TILES, Tiles(stages=1), Tiles(warps=8), Tiles(block_t=128, warps=8), Tiles(block_t=32, block_d=64),
          Tiles(block_d=64, warps=8), Tiles(block_t=16, block_d=64)]
 
 HC, MIX = 4, 24
